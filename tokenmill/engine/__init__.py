@@ -1,0 +1,1 @@
+"""The engine: LLMEngine.step() = schedule -> execute -> postprocess."""

@@ -1,0 +1,61 @@
+"""EngineConfig: one validated dataclass for the engine (model, KV cache, scheduler limits)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from tokenmill.errors import TokenmillError
+
+GiB = 1 << 30
+
+
+def parse_bytes(v: str | int) -> int:
+    """'4GiB', '512MiB', '2G', '1e9', 1073741824 -> bytes."""
+    if isinstance(v, int):
+        return v
+    s = str(v).strip().lower().replace(" ", "")
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
+    for u, mul in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if s.endswith(u):
+            return int(float(s[: -len(u)]) * mul)
+    return int(float(s))
+
+
+@dataclass
+class EngineConfig:
+    model: str = "demo"  # a shipped model name (demo, demo-draft) or an HF-format directory
+    dtype: str = "auto"  # auto: fp32 on CPU, the checkpoint's bf16/fp16 on CUDA
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    kv_cache_bytes: int = 1 * GiB  # KV capacity in bytes (all layers, K and V)
+    block_size: int = 16  # tokens per KV block
+    max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
+    max_num_seqs: int = 256  # running requests at most
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 4096  # bounded waiting queue: add_request refuses beyond it
+    seed: int = 0  # for requests without their own seed
+    num_threads: int | None = None  # CPU: torch threads (default: torch's choice)
+
+    def __post_init__(self):
+        self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes)
+        checks = [
+            (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size must be a power of two <= 256"),
+            (self.kv_cache_bytes > 0, "kv_cache_bytes must be > 0"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
+            (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype must be auto|float32|bfloat16|float16"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise TokenmillError(f"EngineConfig: {msg}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - names
+        if unknown:
+            raise TokenmillError(f"unknown engine option(s): {sorted(unknown)}")
+        return cls(**kwargs)

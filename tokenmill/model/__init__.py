@@ -1,0 +1,1 @@
+"""HF-format Llama-family models: config, tokenizer, weights, presets, the shipped demo models."""
