@@ -1,0 +1,82 @@
+"""Paged attention over a block-structured KV cache, in plain PyTorch (CPU and CUDA).
+
+Layout: one cache tensor per layer, `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K, V).
+A flat batch holds T new tokens from many sequences; each sequence brings q_len >= 1 new tokens
+(a prefill chunk, one decode token, or k draft tokens to verify) on top of ctx_len - q_len cached ones.
+
+Per layer: (1) write the new K/V into their slots (`slot_mapping`), (2) attend. Because every new
+K/V of the step is written before anyone attends, two sequences scheduled in the same step may share
+blocks that the step itself fills (same-step prefix sharing).
+
+Sequences with q_len == 1 are attended together in one padded batch; others one by one (a sequence
+with no cached context uses the causal fast path without gathering from the cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqSpan:
+    q_start: int  # offset of the sequence's first new token in the flat batch
+    q_len: int  # new tokens this step
+    ctx_len: int  # tokens in the cache after this step (cached + new)
+    block_table: torch.Tensor  # [num_blocks_of_seq] long
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: block_id * block_size + offset, for each new token
+    spans: list[SeqSpan]  # sequences with q_len > 1 (or a single decode)
+    decode_token_idx: torch.Tensor | None  # [D] long: flat indices of the q_len == 1 tokens
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks] long (padded with 0)
+    decode_ctx_lens: torch.Tensor | None  # [D] long
+    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks*block_size] bool: True = attend
+    sliding_window: int | None = None
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # cache: [2, NB, bs, kvh, hd]; k, v: [T, kvh, hd]
+    _, nb, bs, kvh, hd = cache.shape
+    cache[0].view(nb * bs, kvh, hd).index_copy_(0, slot_mapping, k)
+    cache[1].view(nb * bs, kvh, hd).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, nh, hd]; k, v: [T, kvh, hd] (this step's new tokens). Returns [T, nh, hd]."""
+    write_kv(cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nh, kvh = q.shape[1], k.shape[1]
+    gqa = nh != kvh
+    _, nb, bs, _, hd = cache.shape
+    for s in meta.spans:
+        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [nh, q, hd]
+        window = meta.sliding_window
+        if s.ctx_len == s.q_len and (window is None or window >= s.ctx_len):
+            ks = k[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [kvh, q, hd]
+            vs = v[s.q_start:s.q_start + s.q_len].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            ks = cache[0][s.block_table].view(-1, kvh, hd)[:s.ctx_len].transpose(0, 1)  # [kvh, ctx, hd]
+            vs = cache[1][s.block_table].view(-1, kvh, hd)[:s.ctx_len].transpose(0, 1)
+            qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)[:, None]
+            kpos = torch.arange(s.ctx_len, device=q.device)[None, :]
+            mask = kpos <= qpos
+            if window is not None:
+                mask &= kpos > qpos - window
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
+    if meta.decode_token_idx is not None:
+        idx = meta.decode_token_idx
+        d = idx.shape[0]
+        qd = q.index_select(0, idx).unsqueeze(2)  # [D, nh, 1, hd]
+        kd = cache[0][meta.decode_block_tables].view(d, -1, kvh, hd).transpose(1, 2)  # [D, kvh, S, hd]
+        vd = cache[1][meta.decode_block_tables].view(d, -1, kvh, hd).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
+        out.index_copy_(0, idx, o.squeeze(2))
+    return out

@@ -1,0 +1,79 @@
+"""The linear-layer seam: every projection is a `Linear` whose math is delegated to a `LinearMethod`.
+
+Quantized formats slot in as new LinearMethods (registered in LINEAR_METHODS) that create their own
+parameters and apply them; the model code and the loader do not change. Fused projections (qkv, gate_up)
+are one Linear with named output shards, loaded shard by shard from the checkpoint's separate tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.errors import ModelLoadError
+
+
+class LinearMethod:
+    """How a Linear stores and applies its weights."""
+
+    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+        raise NotImplementedError
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=dtype),
+                                    requires_grad=False)
+        layer.bias = (nn.Parameter(torch.zeros(layer.out_features, dtype=dtype), requires_grad=False)
+                      if layer.has_bias else None)
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+LINEAR_METHODS: dict[str, Callable[[], LinearMethod]] = {"none": UnquantizedLinearMethod}
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). `shards` names the fused outputs in order, e.g. [("q", 512), ("k", 128), ("v", 128)]."""
+
+    def __init__(self, in_features: int, out_features: int | None = None, bias: bool = False,
+                 shards: list[tuple[str, int]] | None = None, dtype: torch.dtype = torch.float32,
+                 method: LinearMethod | None = None):
+        super().__init__()
+        self.shards = shards or [("", out_features)]
+        self.in_features = in_features
+        self.out_features = sum(n for _, n in self.shards)
+        if out_features is not None and out_features != self.out_features:
+            raise ValueError("out_features disagrees with shards")
+        self.has_bias = bias
+        self.method = method or UnquantizedLinearMethod()
+        self.method.create_weights(self, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def shard_range(self, shard: str) -> tuple[int, int]:
+        start = 0
+        for name, n in self.shards:
+            if name == shard:
+                return start, start + n
+            start += n
+        raise KeyError(shard)
+
+    def load(self, kind: str, shard: str, tensor: torch.Tensor, name: str) -> None:
+        """Copy checkpoint tensor `name` (kind 'weight' or 'bias') into output shard `shard`."""
+        param = self.weight if kind == "weight" else self.bias
+        if param is None:
+            raise ModelLoadError(f"unexpected tensor {name}: this layer has no {kind}")
+        lo, hi = self.shard_range(shard)
+        target = param.data[lo:hi]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        target.copy_(tensor.to(param.dtype))
