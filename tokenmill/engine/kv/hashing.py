@@ -1,0 +1,29 @@
+"""Chained block hashes: hash(block i) = H(hash(block i-1), token ids of block i).
+
+Stable across processes and machines (blake2b, not Python's hash), so a block can be named by its hash
+to another worker (P/D transfer), a host/SSD tier or a router's prefix index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+
+ROOT_HASH = 0
+
+
+def hash_block(parent: int, token_ids) -> int:
+    h = hashlib.blake2b(struct.pack("<Q", parent), digest_size=8)
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def block_hashes(token_ids: list[int], block_size: int, start: list[int] | None = None) -> list[int]:
+    """Hashes of every full block of token_ids; `start` = already known hashes of the leading blocks."""
+    out = list(start or [])
+    parent = out[-1] if out else ROOT_HASH
+    for i in range(len(out), len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out

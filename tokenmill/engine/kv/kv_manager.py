@@ -1,0 +1,97 @@
+"""KVCacheManager: per-request block tables on top of the BlockPool, and prefix-cache lookups.
+
+No clock, no I/O: the simulator drives this same code with a virtual clock.
+"""
+
+from __future__ import annotations
+
+from tokenmill.engine.kv.block_pool import BlockPool, KVBlock
+from tokenmill.engine.kv.hashing import block_hashes
+from tokenmill.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.tables: dict[str, list[KVBlock]] = {}
+        self.prefix_queries_tokens = 0  # cumulative, for metrics
+        self.prefix_hits_tokens = 0
+
+    # -- lookups --------------------------------------------------------------------------------
+    def _hashes(self, req: Request, num_tokens: int) -> list[int]:
+        """Hashes of the request's full blocks within its first num_tokens tokens (cached on the request)."""
+        n_full = num_tokens // self.block_size
+        if len(req.block_hashes) < n_full:
+            req.block_hashes = block_hashes(req.all_token_ids[: n_full * self.block_size], self.block_size,
+                                            req.block_hashes)
+        return req.block_hashes[:n_full]
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request, in whole blocks; the last token is always recomputed
+        (its logits are needed). Returns (blocks, num_cached_tokens); takes no reference."""
+        if not self.enable_caching:
+            return [], 0
+        bs = self.block_size
+        hashes = self._hashes(req, req.num_tokens - 1)
+        hits: list[KVBlock] = []
+        toks = req.all_token_ids
+        for i, h in enumerate(hashes):
+            b = self.pool.lookup(h, toks[i * bs:(i + 1) * bs])
+            if b is None:
+                break
+            hits.append(b)
+        return hits, len(hits) * bs
+
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries_tokens += num_query_tokens
+        self.prefix_hits_tokens += num_hit_tokens
+
+    # -- allocation -----------------------------------------------------------------------------
+    def blocks_needed(self, req: Request, num_computed: int, num_new: int, computed: list[KVBlock] = ()) -> int:
+        """Free blocks that allocate_slots would consume (including cached free blocks it would revive)."""
+        have = len(self.tables.get(req.request_id, ())) + len(computed)
+        required = -(-(num_computed + num_new) // self.block_size)
+        revive = sum(1 for b in computed if b.ref_cnt == 0)
+        return max(0, required - have) + revive
+
+    def allocate_slots(self, req: Request, num_computed: int, num_new: int,
+                       computed: list[KVBlock] = ()) -> bool:
+        """Make room for num_new tokens after num_computed (the first len(computed) blocks come from the
+        prefix cache). Registers blocks that become full. False (and no change) if blocks are short."""
+        if self.blocks_needed(req, num_computed, num_new, computed) > self.pool.num_free:
+            return False
+        table = self.tables.setdefault(req.request_id, [])
+        if computed:
+            self.pool.touch(list(computed))
+            table.extend(computed)
+        required = -(-(num_computed + num_new) // self.block_size)
+        if required > len(table):
+            table.extend(self.pool.allocate(required - len(table)))
+        if self.enable_caching:
+            self._register_full_blocks(req, table, num_computed + num_new)
+        return True
+
+    def _register_full_blocks(self, req: Request, table: list[KVBlock], num_tokens: int) -> None:
+        bs = self.block_size
+        hashes = self._hashes(req, num_tokens)
+        toks = req.all_token_ids
+        for i in range(req.num_registered_blocks, len(hashes)):
+            self.pool.register(table[i], hashes[i], toks[i * bs:(i + 1) * bs])
+        req.num_registered_blocks = max(req.num_registered_blocks, len(hashes))
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks (finish, abort, preemption): last block first, so a request's
+        tail is evicted before its (more shareable) prefix."""
+        table = self.tables.pop(req.request_id, None)
+        req.num_registered_blocks = 0
+        if table:
+            self.pool.release(reversed(table))
+
+    def block_ids(self, req: Request) -> list[int]:
+        return [b.block_id for b in self.tables.get(req.request_id, ())]
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used / self.pool.num_blocks

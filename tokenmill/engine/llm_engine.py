@@ -1,0 +1,197 @@
+"""LLMEngine: step() = schedule -> execute -> postprocess. Synchronous and single-threaded by design;
+the server runs it in its own thread, the simulator swaps the runner for a cost model."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.kv.kv_manager import KVCacheManager
+from tokenmill.engine.outputs import EngineStats, RequestOutput
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.runner import ModelOutput, ModelRunner
+from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.errors import EngineOverloadedError, InvalidRequestError, ModelLoadError
+from tokenmill.model.config import ModelConfig
+from tokenmill.model.loader import load_model, pick_device, pick_dtype, resolve_model_path
+from tokenmill.model.tokenizer import Tokenizer
+
+log = logging.getLogger("tokenmill.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        self.config = config or EngineConfig.from_kwargs(**kwargs)
+        c = self.config
+        if c.num_threads:
+            torch.set_num_threads(c.num_threads)
+        self.model_path = resolve_model_path(c.model)
+        self.model_name = c.model
+        self.model_config = cfg = ModelConfig.from_dir(self.model_path)
+        self.tokenizer = Tokenizer(self.model_path)
+        self.device = pick_device(c.device)
+        self.dtype = pick_dtype(c.dtype, cfg, self.device)
+        num_blocks = ModelRunner.num_blocks_for_bytes(cfg, c.kv_cache_bytes, c.block_size, self.dtype)
+        if num_blocks < 1:
+            raise ModelLoadError(f"kv_cache_bytes={c.kv_cache_bytes} holds no block of {c.block_size} tokens "
+                                 f"({cfg.kv_bytes_per_token(self.dtype.itemsize) * c.block_size} bytes each)")
+        self.kv_capacity_tokens = num_blocks * c.block_size
+        if c.max_model_len is not None and c.max_model_len > cfg.max_position_embeddings:
+            raise ModelLoadError(f"max_model_len={c.max_model_len} exceeds the model's max_position_embeddings="
+                                 f"{cfg.max_position_embeddings}")
+        self.max_model_len = min(c.max_model_len or cfg.max_position_embeddings, self.kv_capacity_tokens)
+        if c.max_model_len and c.max_model_len > self.kv_capacity_tokens:
+            raise ModelLoadError(f"max_model_len={c.max_model_len} does not fit the KV cache "
+                                 f"({self.kv_capacity_tokens} tokens); raise kv_cache_bytes or lower max_model_len")
+        model = load_model(self.model_path, cfg, self.device, self.dtype, max_positions=self.max_model_len)
+        window = cfg.sliding_window if cfg.sliding_window and cfg.sliding_window < self.max_model_len else None
+        self.runner = ModelRunner(model, cfg, self.device, self.dtype, num_blocks, c.block_size, window)
+        self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, c.max_waiting_requests),
+                                   self.kv)
+        self.sampler = Sampler(c.seed)
+        self.eos_token_ids = set(cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._gens: dict[str, torch.Generator] = {}
+        self.num_steps = 0
+        self.prompt_tokens_total = 0  # prompt tokens of admitted requests
+        self.generation_tokens_total = 0
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    priority: int = 0) -> None:
+        params = params or SamplingParams()
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion).",
+                param="max_tokens")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError("priority must be an integer", param="priority")
+        if request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
+        if self.scheduler.num_waiting >= self.config.max_waiting_requests:
+            raise EngineOverloadedError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
+        req = Request(request_id, list(prompt_token_ids), params, priority=priority, max_total_tokens=self.max_model_len)
+        self.scheduler.add(req)
+        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        if params.seed is not None:
+            self._gens[request_id] = torch.Generator().manual_seed(params.seed)
+        self.prompt_tokens_total += n
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.scheduler.requests.get(request_id)
+        if req is not None:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            self._forget(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, and make output."""
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        self.num_steps += 1
+        try:
+            model_out = self.runner.execute(sched)
+        except Exception as e:  # noqa: BLE001 - fail the batch, not the engine
+            log.exception("model execution failed")
+            return self._fail_batch(sched, f"engine error: {type(e).__name__}: {e}")
+        return self._postprocess(sched, model_out)
+
+    def _postprocess(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
+        seqs = [(i, s) for i, s in enumerate(sched.seqs) if s.num_logits > 0]
+        if not seqs:
+            return []
+        reqs = [self.scheduler.requests[s.request_id] for _, s in seqs]
+        rows = torch.tensor([out.logit_offsets[i] + s.num_logits - 1 for i, s in seqs], device=out.logits.device)
+        result = self.sampler.sample(out.logits.index_select(0, rows), [r.params for r in reqs],
+                                     [self._gens.get(r.request_id) for r in reqs])
+        outputs = []
+        for req, tok, lp in zip(reqs, result.token_ids, result.logprobs):
+            req.append_output(tok)
+            self.generation_tokens_total += 1
+            detok = self._detok[req.request_id]
+            status = self._check_stop(req, tok, detok)
+            finished = status is not None
+            if finished:
+                self.scheduler.finish(req, status)
+            outputs.append(RequestOutput(
+                request_id=req.request_id, new_token_ids=[tok], new_text=detok.take(finished), text=detok.text,
+                output_token_ids=req.output_token_ids, num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=max(req.num_cached_tokens, 0), finished=finished,
+                finish_reason=status.value if status else None, stop_reason=req.stop_reason,
+                new_logprobs=[lp] if lp is not None else None))
+            if finished:
+                self._forget(req.request_id)
+        return outputs
+
+    def _check_stop(self, req: Request, tok: int, detok: IncrementalDetokenizer) -> RequestStatus | None:
+        p = req.params
+        n_out = len(req.output_token_ids)
+        if n_out >= p.min_tokens and ((tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids):
+            req.stop_reason = tok if tok in p.stop_token_ids else None
+            detok.add([])
+            return RequestStatus.FINISHED_STOPPED
+        hit = detok.add([tok])
+        if hit is not None and n_out >= p.min_tokens:
+            req.stop_reason = hit
+            return RequestStatus.FINISHED_STOPPED
+        if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _fail_batch(self, sched: SchedulerOutput, message: str) -> list[RequestOutput]:
+        outputs = []
+        for s in sched.seqs:
+            req = self.scheduler.requests.get(s.request_id)
+            if req is None:
+                continue
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+            self._forget(req.request_id)
+            outputs.append(RequestOutput(
+                request_id=req.request_id, new_token_ids=[], new_text="", text="",
+                output_token_ids=req.output_token_ids, num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=max(req.num_cached_tokens, 0), finished=True, finish_reason="error",
+                error=message))
+        self.kv.pool.reset_prefix_cache()  # blocks registered this step may hold no valid KV
+        return outputs
+
+    def _forget(self, request_id: str) -> None:
+        self._detok.pop(request_id, None)
+        self._gens.pop(request_id, None)
+
+    # -- introspection --------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s, pool = self.scheduler, self.kv.pool
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_preempted_total=s.num_preemptions,
+            kv_blocks_total=pool.num_blocks, kv_blocks_used=pool.num_used, block_size=self.kv.block_size,
+            waiting_uncached_prompt_tokens=s.waiting_uncached_prompt_tokens(),
+            prefix_cache_queries_tokens=self.kv.prefix_queries_tokens,
+            prefix_cache_hits_tokens=self.kv.prefix_hits_tokens,
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            num_steps=self.num_steps)
+
+    def describe(self) -> str:
+        c, cfg = self.config, self.model_config
+        return (f"model {self.model_name} ({cfg.architecture}, {cfg.num_params() / 1e6:.1f}M params) on "
+                f"{self.device} in {str(self.dtype).replace('torch.', '')}; KV cache {self.kv.pool.num_blocks} "
+                f"blocks x {c.block_size} = {self.kv_capacity_tokens} tokens; max_model_len {self.max_model_len}; "
+                f"prefix caching {'on' if c.enable_prefix_caching else 'off'}")

@@ -1,0 +1,90 @@
+"""ModelRunner: owns the model and the KV cache tensors; runs one SchedulerOutput through the model.
+
+One code path for every kind of step: each scheduled sequence brings any number of new tokens (a prefill
+chunk, one decode token, or k speculative tokens to verify) and asks for the logits of its last
+`num_logits` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.model.attention import AttentionMetadata, SeqSpan
+from tokenmill.model.config import ModelConfig
+from tokenmill.model.llama import LlamaModel
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [sum(num_logits), vocab] fp32
+    logit_offsets: list[int]  # seq i's logits are rows logit_offsets[i] : logit_offsets[i] + seqs[i].num_logits
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                 num_blocks: int, block_size: int, sliding_window: int | None = None):
+        self.model, self.cfg, self.device, self.dtype = model, cfg, device, dtype
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.sliding_window = sliding_window
+        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+
+    @staticmethod
+    def num_blocks_for_bytes(cfg: ModelConfig, kv_cache_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+        per_block = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
+        return kv_cache_bytes // per_block
+
+    def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[SeqSpan] = []
+        dec_idx: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        logits_idx: list[int] = []
+        offsets: list[int] = []
+        for s in sched.seqs:
+            q_start, n = len(input_ids), len(s.token_ids)
+            input_ids.extend(s.token_ids)
+            pos = range(s.start_pos, s.start_pos + n)
+            positions.extend(pos)
+            bt = s.block_ids
+            slots.extend(bt[p // bs] * bs + p % bs for p in pos)
+            ctx = s.start_pos + n
+            if n == 1:
+                dec_idx.append(q_start)
+                dec_tables.append(bt[: -(-ctx // bs)])
+                dec_lens.append(ctx)
+            else:
+                spans.append(SeqSpan(q_start, n, ctx, self._tensor(bt[: -(-ctx // bs)])))
+            offsets.append(len(logits_idx))
+            logits_idx.extend(range(q_start + n - s.num_logits, q_start + n))
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots), spans=spans, decode_token_idx=None, decode_block_tables=None,
+            decode_ctx_lens=None, decode_mask=None, sliding_window=self.sliding_window)
+        if dec_idx:
+            width = max(len(t) for t in dec_tables)
+            meta.decode_token_idx = self._tensor(dec_idx)
+            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in dec_tables])
+            lens = self._tensor(dec_lens)
+            meta.decode_ctx_lens = lens
+            kpos = torch.arange(width * bs, device=self.device)[None, :]
+            mask = kpos < lens[:, None]
+            if self.sliding_window is not None:
+                mask &= kpos >= (lens[:, None] - self.sliding_window)
+            meta.decode_mask = mask[:, None, None, :]
+        hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta)
+        if not logits_idx:
+            return ModelOutput(torch.empty(0, self.cfg.vocab_size), offsets)
+        logits = self.model.compute_logits(hidden[self._tensor(logits_idx)])
+        return ModelOutput(logits, offsets)
