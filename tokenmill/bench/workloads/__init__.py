@@ -1,0 +1,6 @@
+"""Workloads, registered by name: chat, agent, batch, shared-prefix, trace:FILE, mix:NAME=W,..."""
+
+from tokenmill.bench.workloads import agent, batch, chat, mix, shared_prefix, trace  # noqa: F401  (register)
+from tokenmill.bench.workloads.registry import WORKLOADS, Workload, make_workload, register_workload
+
+__all__ = ["WORKLOADS", "Workload", "make_workload", "register_workload"]

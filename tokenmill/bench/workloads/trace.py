@@ -1,0 +1,125 @@
+"""`trace:FILE`: replay a recorded trace with its timestamps and lengths.
+
+Mooncake JSONL (`timestamp` ms, `input_length`, `output_length`, `hash_ids`): each hash id maps to one
+seeded block of 512 tokens, so prompts are identical exactly where the ids are equal; the last block is
+cut so the prompt has exactly `input_length` tokens. A block's first tokens spell its id in base V (the
+vocabulary size), so different ids differ in their first token and never share more than intended.
+Azure CSV (`TIMESTAMP, ContextTokens, GeneratedTokens`): lengths only; every prompt is unique.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from tokenmill.bench.session import Message, Session, Turn
+from tokenmill.bench.workloads.registry import Workload, check, register_workload
+
+BLOCK_TOKENS = 512  # Mooncake's hash block size
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    time_s: float  # since the trace's first request
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...] | None = None  # Mooncake only
+
+
+@dataclass(frozen=True)
+class TraceParams:
+    path: str = ""
+    time_scale: float = 1.0  # multiplies the trace's timestamps: 0.5 replays twice as fast
+    class_name: str = "interactive"
+
+    def __post_init__(self):
+        check(bool(self.path), "give the trace file: trace:FILE")
+        check(Path(self.path).is_file(), f"trace file {self.path} not found")
+        check(self.time_scale > 0, "time_scale must be > 0")
+
+
+def read_trace(path: str) -> list[TraceRow]:
+    """Mooncake JSONL or Azure CSV, by extension; times start at 0 in seconds."""
+    try:
+        rows = _read_mooncake(path) if path.endswith((".jsonl", ".json")) else _read_azure(path)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ValueError(f"{path}: not a Mooncake JSONL or Azure CSV trace ({type(e).__name__}: {e})") from None
+    if not rows:
+        raise ValueError(f"{path}: the trace is empty")
+    t0 = rows[0].time_s
+    return [TraceRow(r.time_s - t0, r.input_length, max(1, r.output_length), r.hash_ids) for r in rows]
+
+
+def _read_mooncake(path: str) -> list[TraceRow]:
+    rows = []
+    with open(path) as f:
+        for line in filter(str.strip, f):
+            d = json.loads(line)
+            ids = tuple(int(h) for h in d["hash_ids"])
+            if len(ids) != math.ceil(d["input_length"] / BLOCK_TOKENS):
+                raise ValueError(f"hash_ids has {len(ids)} blocks for input_length {d['input_length']}")
+            rows.append(TraceRow(d["timestamp"] / 1000, int(d["input_length"]), int(d["output_length"]), ids))
+    return rows
+
+
+def _read_azure(path: str) -> list[TraceRow]:
+    with open(path, newline="") as f:
+        return [TraceRow(_azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
+                for r in csv.DictReader(f)]
+
+
+def _azure_time(stamp: str) -> float:
+    whole, _, frac = stamp.strip().partition(".")  # 7 fractional digits: more than %f accepts
+    return datetime.fromisoformat(whole).timestamp() + float("0." + (frac or "0"))
+
+
+@register_workload("trace")
+class Trace(Workload):
+    Params = TraceParams
+    positional = "path"
+    finite = True
+
+    @cached_property
+    def rows(self) -> list[TraceRow]:
+        return read_trace(self.params.path)
+
+    @property
+    def native_rate(self) -> float:
+        """Requests per second of the trace as recorded (times time_scale)."""
+        span = self.rows[-1].time_s * self.params.time_scale
+        return (len(self.rows) - 1) / span if span > 0 else float("inf")
+
+    @cached_property
+    def _id_digits(self) -> int:
+        top = max((max(r.hash_ids) for r in self.rows if r.hash_ids), default=0)
+        return max(1, math.ceil(math.log(top + 1, self.vocab.size))) if top else 1
+
+    def block(self, hash_id: int) -> np.ndarray:
+        """The 512 tokens of one hash block: its id in base V, then seeded random tokens."""
+        tokens = self.vocab.sample(self.rng("block", hash_id), BLOCK_TOKENS)
+        digits = [(hash_id // self.vocab.size**i) % self.vocab.size for i in range(self._id_digits)]
+        tokens[: len(digits)] = self.vocab.ids[digits[::-1]]
+        return tokens
+
+    def session(self, index: int) -> Session:
+        row = self.rows[index]
+        if row.hash_ids is None:
+            tokens = self.vocab.sample(self.rng("prompt", index), row.input_length)
+        else:
+            tokens = np.concatenate([self.block(h) for h in row.hash_ids])[: row.input_length]
+        turn = Turn((Message("user", tokens),), row.output_length)
+        return Session(index, self.params.class_name, (turn,), start_s=row.time_s * self.params.time_scale)
+
+    def sessions(self):
+        return (self.session(i) for i in range(len(self.rows)))
+
+    def describe(self) -> dict:
+        return {**super().describe(), "requests": len(self.rows), "native_rate": self.native_rate,
+                "format": "mooncake" if self.rows[0].hash_ids is not None else "azure"}
