@@ -1,0 +1,344 @@
+"""HTTP routes (aiohttp.web): the OpenAI-compatible API plus health, metrics and engine state.
+
+    POST /v1/completions        POST /v1/chat/completions     (SSE when "stream": true)
+    GET  /v1/models             GET  /health    GET /metrics   GET /tokenmill/state
+
+`create_app(engine)` wraps a synchronous engine in an AsyncEngine whose thread starts with the app.
+Every error leaves as an OpenAI-style `{"error": {...}}` body; `--api-key` guards `/v1/*` only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict
+
+from aiohttp import web
+
+from tokenmill.engine.outputs import RequestOutput, TokenLogprob
+from tokenmill.errors import EngineOverloadedError, InvalidRequestError
+from tokenmill.server.async_engine import AsyncEngine, EngineError, RequestStream
+from tokenmill.server.metrics import CONTENT_TYPE, ServerMetrics
+from tokenmill.server.protocol import (
+    APIError, GenerateRequest, bad_request, from_invalid, parse_chat, parse_completion, parse_priority_header,
+)
+
+log = logging.getLogger("tokenmill.server")
+
+RETRY_AFTER_S = 1
+MAX_BODY_BYTES = 64 << 20
+
+
+class OpenAIServer:
+    """The handlers, over one AsyncEngine. `served_model_names[0]` is the name responses carry."""
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str],
+                 api_key: str | None = None, kv_capacity_tokens: int | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self.model_names = served_model_names
+        self.api_key = api_key
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.started = int(time.time())
+        self._token_text: dict[int, str] = {}
+
+    # -- generation -------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion(await _json_body(request)))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat(await _json_body(request)))
+
+    async def _generate(self, request: web.Request, req: GenerateRequest) -> web.StreamResponse:
+        if req.model is not None and req.model not in self.model_names:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {self.model_names}",
+                           "invalid_request_error", "model", "model_not_found")
+        ids = self._prompt_ids(req)
+        max_len = self.engine.max_model_len
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = 16 if req.kind == "completion" else max(1, max_len - len(ids))
+        params = req.sampling_params(max_tokens)
+        if len(ids) + max_tokens > max_len:
+            raise bad_request(
+                f"this model's maximum context length is {max_len} tokens, but {len(ids) + max_tokens} were "
+                f"requested ({len(ids)} in the prompt, {max_tokens} for the completion); shorten the prompt or "
+                f"lower max_tokens", param="prompt" if len(ids) >= max_len else "max_tokens",
+                code="context_length_exceeded")
+        priority = req.priority
+        if priority is None:
+            priority = parse_priority_header(request.headers.get("x-tokenmill-priority")) or 0
+        rid = f"{'cmpl' if req.kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        try:
+            stream = await self.engine.add(rid, ids, params, priority)
+        except InvalidRequestError as e:
+            raise from_invalid(e) from None
+        except EngineOverloadedError as e:
+            raise APIError(429, f"the server is overloaded: {e}", "server_overloaded", None, "engine_overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        try:
+            if req.stream:
+                return await self._stream(request, req, rid, stream)
+            return await self._collect(req, rid, stream)
+        finally:
+            if not stream.finished:  # the client went away (handler cancelled or write failed)
+                self.engine.abort(rid)
+
+    def _prompt_ids(self, req: GenerateRequest) -> list[int]:
+        tok = self.engine.tokenizer
+        if req.kind == "chat":
+            try:
+                text = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+            except InvalidRequestError as e:
+                raise from_invalid(e) from None
+            except Exception as e:  # noqa: BLE001 - jinja2 errors from the model's own template
+                raise bad_request(f"messages cannot be rendered by the chat template: {e}", "messages") from None
+            return tok.encode(text)
+        if isinstance(req.prompt, str):
+            ids = tok.encode(req.prompt)
+            if not ids:
+                raise bad_request("prompt encodes to zero tokens", param="prompt")
+            return ids
+        return list(req.prompt)
+
+    async def _collect(self, req: GenerateRequest, rid: str, stream: RequestStream) -> web.Response:
+        final: RequestOutput | None = None
+        logprobs: list[TokenLogprob] = []
+        try:
+            while batch := await stream.next_batch():
+                for out in batch:
+                    logprobs.extend(out.new_logprobs or [])
+                final = batch[-1]
+        except EngineError as e:
+            raise APIError(500, str(e), "internal_server_error", None, "engine_error") from None
+        if final.finish_reason == "error":
+            raise APIError(500, f"engine error: {final.error or 'unknown'}", "internal_server_error", None,
+                           "engine_error")
+        lp = self._logprobs(req, logprobs, 0) if req.logprobs is not None else None
+        if req.kind == "completion":
+            choice = {"index": 0, "text": final.text, "logprobs": lp}
+            obj = "text_completion"
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": final.text}, "logprobs": lp}
+            obj = "chat.completion"
+        choice.update(finish_reason=final.finish_reason, stop_reason=final.stop_reason)
+        body = {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_names[0],
+                "choices": [choice], "usage": _usage(final)}
+        return web.json_response(body)
+
+    async def _stream(self, request: web.Request, req: GenerateRequest, rid: str,
+                      stream: RequestStream) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        chat = req.kind == "chat"
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.model_names[0]}
+        usage_field = {"usage": None} if req.include_usage else {}
+
+        def chunk(choice: dict | None, **extra) -> bytes:
+            body = {**head, "choices": [choice] if choice else [], **usage_field, **extra}
+            return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+        try:
+            if chat:
+                await resp.write(chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}))
+            offset, final = 0, None
+            try:
+                while batch := await stream.next_batch():
+                    final = batch[-1]
+                    if final.finish_reason == "error":
+                        raise EngineError(f"engine error: {final.error or 'unknown'}")
+                    text = "".join(o.new_text for o in batch)
+                    lps = [lp for o in batch for lp in (o.new_logprobs or [])]
+                    if not (text or lps or final.finished):
+                        continue
+                    lp = self._logprobs(req, lps, offset) if req.logprobs is not None and lps else None
+                    offset += len(text)
+                    choice = {"index": 0, "logprobs": lp, "finish_reason": final.finish_reason}
+                    if chat:
+                        choice["delta"] = {"content": text} if text else {}
+                    else:
+                        choice["text"] = text
+                    if final.finished:
+                        choice["stop_reason"] = final.stop_reason
+                    await resp.write(chunk(choice))
+            except EngineError as e:
+                err = APIError(500, str(e), "internal_server_error", None, "engine_error")
+                await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+                final = None
+            if final is not None and req.include_usage:
+                usage_field = {}
+                await resp.write(chunk(None, usage=_usage(final)))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionResetError:  # the client went away; the caller aborts the request
+            pass
+        return resp
+
+    # -- logprobs ---------------------------------------------------------------------------------
+    def _tok(self, token_id: int) -> str:
+        s = self._token_text.get(token_id)
+        if s is None:
+            s = self._token_text[token_id] = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+        return s
+
+    def _logprobs(self, req: GenerateRequest, lps: list[TokenLogprob], text_offset: int) -> dict:
+        if req.kind == "chat":
+            def entry(tid: int, lp: float) -> dict:
+                s = self._tok(tid)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+            return {"content": [{**entry(t.token_id, t.logprob),
+                                 "top_logprobs": [entry(i, v) for i, v in t.top.items()]} for t in lps]}
+        tokens = [self._tok(t.token_id) for t in lps]
+        offsets = []
+        for s in tokens:
+            offsets.append(text_offset)
+            text_offset += len(s)
+        return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
+                "top_logprobs": [{self._tok(i): v for i, v in t.top.items()} for t in lps], "text_offset": offsets}
+
+    # -- the rest ---------------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card(n) for n in self.model_names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name not in self.model_names:
+            raise APIError(404, f"the model {name!r} does not exist", "invalid_request_error", "model",
+                           "model_not_found")
+        return web.json_response(self._model_card(name))
+
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "tokenmill",
+                "root": self.engine.model_name, "max_model_len": self.engine.max_model_len}
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.engine.alive:
+            return web.json_response({"status": "engine thread is not running"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def state(self, request: web.Request) -> web.Response:
+        """The engine's latest EngineStats plus what the server holds (for routers and admission)."""
+        s = self.engine.stats()
+        stats = {**asdict(s), "kv_usage": s.kv_usage} if s is not None else None
+        return web.json_response({
+            "model": self.model_names[0], "max_model_len": self.engine.max_model_len,
+            "kv_capacity_tokens": self.kv_capacity_tokens, "num_pending": self.engine.num_pending(),
+            "num_in_flight": self.engine.num_in_flight(), "engine_errors": self.engine.error_count, "stats": stats,
+        })
+
+    # -- middlewares ------------------------------------------------------------------------------
+    @web.middleware
+    async def errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as e:
+            err = e
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            err = APIError(e.status, f"{e.reason}: {request.method} {request.path}",
+                           "invalid_request_error" if e.status < 500 else "internal_server_error")
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:  # noqa: BLE001 - a bug in a handler: a 500 for this request, the server lives
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            err = APIError(500, "internal server error", "internal_server_error")
+        if request.path.startswith("/v1/"):
+            reason = {401: "unauthorized", 429: "overloaded"}.get(err.status, "invalid" if err.status < 500 else None)
+            if reason:
+                self.metrics.rejected[reason].inc()
+        return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+    @web.middleware
+    async def auth(self, request: web.Request, handler) -> web.StreamResponse:
+        if self.api_key is not None and (request.path == "/v1" or request.path.startswith("/v1/")):
+            got = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, f"Bearer {self.api_key}".encode()):
+                raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer <key>'",
+                               "authentication_error", None, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+
+async def _json_body(request: web.Request):
+    try:
+        raw = await request.read()
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def _usage(out: RequestOutput) -> dict:
+    n = len(out.output_token_ids)
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": n,
+            "total_tokens": out.num_prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def create_app(engine, *, api_key: str | None = None, served_model_names: list[str] | None = None,
+               max_pending: int = 4096, enable_prefix_caching: bool = True) -> web.Application:
+    """An aiohttp app serving `engine` (an LLMEngine or anything with its interface). The engine thread
+    starts with the app and stops at its cleanup."""
+    names = list(served_model_names or [engine.model_name])
+    holder: dict = {}
+    metrics = ServerMetrics(names[0], engine.max_model_len,
+                            lambda: (holder["engine"].stats(), holder["engine"].num_pending()),
+                            enable_prefix_caching=enable_prefix_caching)
+    async_engine = holder["engine"] = AsyncEngine(engine, metrics, max_pending=max_pending)
+    server = OpenAIServer(async_engine, metrics, names, api_key, getattr(engine, "kv_capacity_tokens", None))
+    app = web.Application(middlewares=[server.errors, server.auth], client_max_size=MAX_BODY_BYTES)
+    app[SERVER_KEY] = server
+
+    async def start(_app):
+        async_engine.start()
+
+    async def stop(_app):
+        await async_engine.shutdown()
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    app.router.add_post("/v1/completions", server.completions)
+    app.router.add_post("/v1/chat/completions", server.chat_completions)
+    app.router.add_get("/v1/models", server.models)
+    app.router.add_get("/v1/models/{model}", server.model)
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/metrics", server.prometheus)
+    app.router.add_get("/tokenmill/state", server.state)
+    return app
+
+
+SERVER_KEY = web.AppKey("tokenmill_server", OpenAIServer)
+
+
+async def serve(app: web.Application, host: str, port: int, on_ready: Callable[[str], None] | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    """Run `app` until SIGINT/SIGTERM (or `stop` is set). Client disconnects cancel their handlers."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_host, bound_port = runner.addresses[0][:2]
+    if on_ready:
+        on_ready(f"http://{bound_host}:{bound_port}")
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            pass
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,183 @@
+"""Prometheus metrics: tokenmill's own series plus the vLLM v1 names that routers and dashboards scrape.
+
+Engine state (running/waiting, KV usage, token counters) is read from the latest `EngineStats` snapshot at
+scrape time, so those counters equal the engine's own totals. Per-request latencies (TTFT, inter-token,
+end-to-end) are measured by the async engine wrapper and observed here.
+
+vLLM names and types follow vllm/v1/metrics/loggers.py (PrometheusStatLogger): labels `model_name` and
+`engine`; counters are exposed with the `_total` suffix; histogram buckets are vLLM's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tokenmill.engine.outputs import EngineStats
+
+# vLLM v1 does the same: no `_created` series next to every counter and histogram.
+prometheus_client.disable_created_metrics()
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """[1, 2, 5, 10, 20, 50, ...] up to max_value (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+class ServerMetrics:
+    """One CollectorRegistry per server. `snapshot()` returns the engine's latest stats plus the number of
+    requests accepted by the server but not yet handed to the engine."""
+
+    def __init__(self, model_name: str, max_model_len: int, snapshot: Callable[[], tuple[EngineStats | None, int]],
+                 enable_prefix_caching: bool = True):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.labels = ("model_name", "engine")
+        self.label_values = (model_name, "0")
+        reg, names, vals = self.registry, list(self.labels), self.label_values
+
+        def hist(name: str, doc: str, buckets: list) -> Any:
+            return Histogram(name, doc, names, registry=reg, buckets=buckets).labels(*vals)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        ITL_BUCKETS)
+        self.tpot_deprecated = hist(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token in seconds. DEPRECATED: Use vllm:inter_token_latency_seconds.",
+            ITL_BUCKETS)
+        self.request_tpot = hist("vllm:request_time_per_output_token_seconds",
+                                 "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS)
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                          token_buckets)
+        self.request_generation_tokens = hist("vllm:request_generation_tokens",
+                                              "Number of generation tokens processed.", token_buckets)
+        self.request_max_tokens = hist("vllm:request_params_max_tokens",
+                                       "Histogram of the max_tokens request parameter.", token_buckets)
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          names + ["finished_reason"], registry=reg)
+        self.request_success = {r: success.labels(*vals, r) for r in FINISH_REASONS}
+        rejected = Counter("tokenmill_requests_rejected", "Requests refused before reaching the engine.",
+                           ["model_name", "reason"], registry=reg)
+        self.rejected = {r: rejected.labels(model_name, r) for r in ("overloaded", "invalid", "unauthorized")}
+        self.engine_errors = Counter("tokenmill_engine_errors", "engine.step() failures (in-flight requests failed).",
+                                     ["model_name"], registry=reg).labels(model_name)
+        self.registry.register(_EngineCollector(self, snapshot, enable_prefix_caching))
+
+    # -- per-request observations (called on the event loop) ----------------------------------
+    def observe_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def observe_token_gap(self, itl_s: float) -> None:
+        self.itl.observe(itl_s)
+        self.tpot_deprecated.observe(itl_s)
+
+    def observe_finished(self, reason: str, e2e_s: float, prompt_tokens: int, generation_tokens: int,
+                         max_tokens: int, decode_s: float | None) -> None:
+        self.request_success.get(reason, self.request_success["error"]).inc()
+        self.e2e.observe(e2e_s)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        self.request_max_tokens.observe(max_tokens)
+        if decode_s is not None and generation_tokens > 1:
+            self.request_tpot.observe(decode_s / (generation_tokens - 1))
+
+    def render(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine's latest stats snapshot at scrape time."""
+
+    def __init__(self, m: ServerMetrics, snapshot: Callable[[], tuple[EngineStats | None, int]],
+                 enable_prefix_caching: bool):
+        self.m = m
+        self.snapshot = snapshot
+        self.enable_prefix_caching = enable_prefix_caching
+
+    def describe(self):  # no samples at registration time (the engine may not have stepped yet)
+        return []
+
+    def collect(self):
+        s, pending = self.snapshot()
+        if s is None:
+            return
+        labels, vals = list(self.m.labels), list(self.m.label_values)
+
+        def gauge(name: str, doc: str, value: float, lab=labels, lv=vals):
+            g = GaugeMetricFamily(name, doc, labels=lab)
+            g.add_metric(lv, value)
+            return g
+
+        def counter(name: str, doc: str, value: float, lab=labels, lv=vals):
+            c = CounterMetricFamily(name, doc, labels=lab)
+            c.add_metric(lv, value)
+            return c
+
+        waiting = s.num_waiting + pending
+        # vLLM-compatible names
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage)
+        yield gauge("vllm:gpu_cache_usage_perc",
+                    "KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc.", s.kv_usage)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      s.prefix_cache_queries_tokens)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      s.prefix_cache_hits_tokens)
+        yield counter("vllm:gpu_prefix_cache_queries",
+                      "Prefix cache queries (tokens). DEPRECATED: Use vllm:prefix_cache_queries.",
+                      s.prefix_cache_queries_tokens)
+        yield counter("vllm:gpu_prefix_cache_hits",
+                      "Prefix cache hits (tokens). DEPRECATED: Use vllm:prefix_cache_hits.", s.prefix_cache_hits_tokens)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                      s.num_preempted_total)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens_total)
+        info_labels = labels + ["block_size", "num_gpu_blocks", "enable_prefix_caching"]
+        info_vals = vals + [str(s.block_size), str(s.kv_blocks_total), str(self.enable_prefix_caching)]
+        yield gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1, info_labels, info_vals)
+        # tokenmill's own series
+        mlab, mval = ["model_name"], [self.m.model_name]
+        yield gauge("tokenmill_requests_running", "Requests in the engine's running batch.", s.num_running, mlab, mval)
+        yield gauge("tokenmill_requests_waiting", "Requests in the engine's waiting queue.", s.num_waiting, mlab, mval)
+        yield gauge("tokenmill_requests_pending", "Requests accepted by the server, not yet handed to the engine.",
+                    pending, mlab, mval)
+        yield gauge("tokenmill_kv_blocks_total", "KV cache blocks.", s.kv_blocks_total, mlab, mval)
+        yield gauge("tokenmill_kv_blocks_used", "KV cache blocks in use.", s.kv_blocks_used, mlab, mval)
+        yield gauge("tokenmill_kv_usage_ratio", "Fraction of KV cache blocks in use (0-1).", s.kv_usage, mlab, mval)
+        yield gauge("tokenmill_waiting_uncached_prompt_tokens",
+                    "Prompt tokens in the waiting queue not served by the prefix cache (prefill work queued).",
+                    s.waiting_uncached_prompt_tokens, mlab, mval)
+        yield counter("tokenmill_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries_tokens, mlab, mval)
+        yield counter("tokenmill_prefix_cache_hits_tokens", "Prompt tokens served from the prefix cache.",
+                      s.prefix_cache_hits_tokens, mlab, mval)
+        yield counter("tokenmill_prompt_tokens", "Prompt tokens processed.", s.prompt_tokens_total, mlab, mval)
+        yield counter("tokenmill_generation_tokens", "Tokens generated.", s.generation_tokens_total, mlab, mval)
+        yield counter("tokenmill_preemptions", "Requests preempted (KV blocks reclaimed, recomputed later).",
+                      s.num_preempted_total, mlab, mval)
+        yield counter("tokenmill_engine_steps", "Engine steps.", s.num_steps, mlab, mval)
