@@ -1,0 +1,96 @@
+"""Admission control on snapshots: leading indicators vs lagging ones."""
+
+import pytest
+
+from tokenmill.router.admission import AdmissionConfig, admit
+from tokenmill.router.classes import DEFAULT_CLASSES, by_name
+from tokenmill.router.policies import RouteChoice
+from tokenmill.router.snapshot import RouteRequest, RouteSnapshot, WorkerView, predicted_ttft_s
+
+CLASSES = by_name(DEFAULT_CLASSES)
+INTERACTIVE, BATCH = CLASSES["interactive"], CLASSES["batch"]  # interactive: TTFT 1 s, max wait 0.5 s
+LEADING = AdmissionConfig()
+
+
+def decide(workers, cls=INTERACTIVE, chosen=None, now=10.0, arrival=10.0, room=8, held=False, cfg=LEADING,
+           prompt_tokens=1000):
+    s = RouteSnapshot(tuple(workers), RouteRequest("r", now, arrival, prompt_tokens, cls.name))
+    return admit(s, RouteChoice(chosen or workers[0].url, "test"), cls, DEFAULT_CLASSES, cfg, room, held)
+
+
+def busy(url, queued_tokens, **kw):
+    return WorkerView(url, prefill_tokens=queued_tokens, ttft_base_s=0.0, prefill_rate_tps=1000.0, **kw)
+
+
+def test_predicted_ttft_is_queued_plus_own_uncached_work_over_rate():
+    w = busy("a", 500, cached_prefix_tokens=800)
+    r = RouteRequest("r", 0.0, 0.0, 1000)
+    assert predicted_ttft_s(w, r) == pytest.approx((500 + 200) / 1000.0)
+
+
+def test_admits_the_routing_choice_when_it_meets_the_slo():
+    a = decide([busy("a", 0), busy("b", 0)], chosen="b")
+    assert (a.action, a.worker) == ("admit", "b")
+    assert a.predicted_ttft_s == pytest.approx(1.0)
+
+
+def test_reroutes_to_a_feasible_worker_when_the_choice_misses_the_slo():
+    a = decide([busy("a", 5000), busy("b", 0, cached_prefix_tokens=500)], chosen="a")
+    assert (a.action, a.worker) == ("admit", "b")
+
+
+def test_holds_when_the_backlog_drains_before_the_hold_deadline():
+    a = decide([busy("a", 300)])  # predicted 1.3 s: 0.3 s over budget, 0.5 s hold window
+    assert a.action == "hold" and a.reason == "slo"
+    assert a.retry_after_s == pytest.approx(0.3)
+
+
+def test_refuses_at_once_when_no_worker_can_make_the_slo_in_time():
+    a = decide([busy("a", 3000), busy("b", 4000)])
+    assert (a.action, a.reason) == ("reject", "slo")
+    assert a.retry_after_s == pytest.approx(3.0)
+
+
+def test_full_queue_refuses_and_a_held_request_expires_at_its_deadline():
+    assert decide([busy("a", 300)], room=0).reason == "queue-full"
+    late = decide([busy("a", 100)], now=10.6, arrival=10.0, held=True)  # waited past max_wait_s = 0.5
+    assert (late.action, late.reason) == ("reject", "deadline")
+    in_time = decide([busy("a", 0, cached_prefix_tokens=900)], now=10.4, arrival=10.0, held=True)
+    assert in_time.action == "admit"  # 0.1 s predicted + 0.4 s waited <= 1 s
+
+
+def test_batch_only_fills_idle_capacity():
+    idle = decide([busy("a", 0, cached_prefix_tokens=900)], cls=BATCH)
+    assert idle.action == "admit"
+    # 0.8 s predicted: fine for batch's own 60 s SLO, but over idle_headroom (0.5) x interactive's 1 s
+    loaded = decide([busy("a", 700, cached_prefix_tokens=900)], cls=BATCH)
+    assert loaded.action == "hold"
+
+
+def test_tpot_slo_counts_decode_streams():
+    crowded = WorkerView("a", decode_streams=400, tpot_base_s=0.01, tpot_per_stream_s=0.001)  # TPOT 0.41 s
+    assert decide([crowded]).action != "admit"
+    assert decide([crowded], cfg=AdmissionConfig(check_tpot=False)).action == "admit"
+
+
+def test_lagging_admission_misses_a_backlog_it_has_not_observed_yet():
+    backlog = busy("a", 50000, observed_ttft_s=0.2, reported_waiting=2)  # 50 s of queued prefill, fast so far
+    lagging = AdmissionConfig(mode="lagging")
+    assert decide([backlog], cfg=lagging).action == "admit"
+    assert decide([backlog]).action == "reject"
+    slow = busy("a", 0, observed_ttft_s=1.5)
+    assert decide([slow], cfg=lagging).reason == "lagging"
+    assert decide([busy("a", 0, reported_waiting=50)], cfg=lagging).action != "admit"
+
+
+def test_off_admits_and_no_worker_refuses():
+    assert decide([busy("a", 10**6)], cfg=AdmissionConfig(mode="off")).action == "admit"
+    a = decide([WorkerView("a", healthy=False)])
+    assert (a.action, a.reason) == ("reject", "no-worker")
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="admission mode"):
+        AdmissionConfig(mode="eventually")
+    with pytest.raises(ValueError, match="idle_headroom"):
+        AdmissionConfig(idle_headroom=0)

@@ -1,0 +1,92 @@
+"""Routing policies on hand-built snapshots: pure functions, no server."""
+
+import dataclasses
+
+import pytest
+
+from tokenmill.router.policies import POLICIES, PolicyParams, get_policy, prefix_load_cost_s, register_policy
+from tokenmill.router.snapshot import RouteRequest, RouteSnapshot, WorkerView
+
+P = PolicyParams()
+
+
+def snap(*workers, prompt_tokens=1000, seq=0, exclude=()):
+    return RouteSnapshot(tuple(workers), RouteRequest("r", 10.0, 10.0, prompt_tokens, seq=seq,
+                                                      exclude=frozenset(exclude)))
+
+
+def test_registry_has_the_four_policies_and_names_them_on_error():
+    assert {"round-robin", "least-load", "prefix", "prefix-load"} <= set(POLICIES)
+    with pytest.raises(ValueError, match="prefix-load"):
+        get_policy("fastest")
+    with pytest.raises(ValueError, match="twice"):
+        register_policy("prefix")(lambda s, p: None)
+
+
+def test_round_robin_cycles_over_routable_workers_only():
+    a, b, c = WorkerView("a"), WorkerView("b", healthy=False), WorkerView("c")
+    picks = [get_policy("round-robin")(snap(a, b, c, seq=i), P).worker for i in range(4)]
+    assert picks == ["a", "c", "a", "c"]
+    assert get_policy("round-robin")(snap(a, c, seq=0, exclude={"a"}), P).worker == "c"
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_no_routable_worker_gives_none(name):
+    s = snap(WorkerView("a", healthy=False), WorkerView("b", draining=True), WorkerView("c"), exclude={"c"})
+    assert get_policy(name)(s, P).worker is None
+
+
+def test_least_load_prefers_fewest_outstanding_then_least_queued_work():
+    a = WorkerView("a", outstanding=3)
+    b = WorkerView("b", outstanding=1, prefill_tokens=5000)
+    c = WorkerView("c", outstanding=1, prefill_tokens=100)
+    assert get_policy("least-load")(snap(a, b, c), P).worker == "c"
+
+
+def test_prefix_follows_the_cache_even_onto_a_hot_spot():
+    hot = WorkerView("hot", outstanding=30, prefill_tokens=20000, cached_prefix_tokens=900)
+    idle = WorkerView("idle")
+    choice = get_policy("prefix")(snap(hot, idle), P)
+    assert (choice.worker, choice.reason) == ("hot", "prefix-hit")
+    assert get_policy("prefix")(snap(WorkerView("x", outstanding=2), idle), P).worker == "idle"  # no hit: least-load
+
+
+def test_prefix_load_takes_the_cache_hit_while_it_is_cheaper():
+    cached = WorkerView("cached", outstanding=1, prefill_tokens=200, cached_prefix_tokens=900)
+    cold = WorkerView("cold")
+    # cost: cached 200 + 100 uncached tokens; cold 1000 uncached tokens
+    assert get_policy("prefix-load")(snap(cached, cold), P).worker == "cached"
+
+
+def test_prefix_load_leaves_the_cache_when_its_queue_costs_more_than_the_hit_saves():
+    cached = WorkerView("cached", outstanding=2, prefill_tokens=1500, cached_prefix_tokens=900)
+    cold = WorkerView("cold", outstanding=1, prefill_tokens=0)
+    choice = get_policy("prefix-load")(snap(cached, cold), P)
+    assert choice.worker == "cold"
+    costs = dict(choice.costs)
+    assert costs["cold"] < costs["cached"]
+
+
+def test_prefix_load_guard_stops_piling_on_a_cached_worker():
+    # many decode-light requests on the cached worker keep its cost low, but the guard caps the pile
+    cached = WorkerView("cached", outstanding=P.guard_abs + 2, cached_prefix_tokens=999)
+    cold = WorkerView("cold", outstanding=1)
+    assert prefix_load_cost_s(cached, snap(cached, cold), P) < prefix_load_cost_s(cold, snap(cached, cold), P)
+    assert get_policy("prefix-load")(snap(cached, cold), P).worker == "cold"
+    loose = dataclasses.replace(P, guard_abs=100)
+    assert get_policy("prefix-load")(snap(cached, cold), loose).worker == "cached"
+
+
+def test_prefix_load_weighs_work_by_each_workers_learned_speed():
+    slow = WorkerView("slow", prefill_rate_tps=1000.0)
+    fast = WorkerView("fast", prefill_rate_tps=8000.0, prefill_tokens=2000)
+    # slow: 1000 tokens / 1000 tps = 1 s; fast: 3000 tokens / 8000 tps = 0.375 s
+    assert get_policy("prefix-load")(snap(slow, fast), P).worker == "fast"
+
+
+def test_policies_are_pure_and_snapshots_frozen():
+    s = snap(WorkerView("a", cached_prefix_tokens=500), WorkerView("b", outstanding=1), seq=7)
+    for name, policy in POLICIES.items():
+        assert policy(s, P) == policy(s, P), name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.workers[0].outstanding = 3

@@ -1,0 +1,155 @@
+"""Prefix index, online rates, config, worker metric parsing: the router's state, without a server."""
+
+import json
+import math
+import random
+import argparse
+
+import pytest
+
+from tokenmill.router.config import RouterConfig, config_from_dict, load_config
+from tokenmill.router.prefix_index import PrefixIndex, PrefixIndexConfig, chunk_hashes
+from tokenmill.router.prompt import TokenEstimator, prompt_key
+from tokenmill.router.rates import LinearFit, RatePriors, WorkerRates
+from tokenmill.router.worker_metrics import parse_worker_metrics
+from tokenmill.errors import InvalidRequestError
+
+CFG = PrefixIndexConfig(chunk_chars=8, chunk_tokens=4, min_entries_per_worker=2, max_entries_per_worker=64, ttl_s=10)
+
+
+def test_chunk_hashes_are_chained_and_ignore_the_partial_tail():
+    a = chunk_hashes("system: be brief|user: hi there", 8)
+    b = chunk_hashes("system: be brief|user: bye now!", 8)
+    assert len(a) == 31 // 8 and a[:2] == b[:2] and a[2] != b[2]
+    assert chunk_hashes("Xystem: be brief", 8)[1] != a[1]  # a later chunk names its whole prefix
+    assert chunk_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4) == chunk_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert chunk_hashes("short", 8) == ()
+
+
+def test_index_matches_leading_chunks_per_worker_with_ttl():
+    idx = PrefixIndex(CFG)
+    shared = chunk_hashes("A" * 32, 8)
+    idx.insert("w1", shared, now=0.0)
+    other = chunk_hashes("A" * 16 + "B" * 16, 8)
+    assert idx.match("w1", other, now=1.0) == 2
+    assert idx.match("w2", other, now=1.0) == 0
+    assert idx.match("w1", shared, now=11.0) == 0  # older than ttl_s
+    idx.expire(now=11.0)
+    assert idx.size("w1") == 0
+
+
+def test_lru_bound_evicts_leaves_before_roots():
+    idx = PrefixIndex(PrefixIndexConfig(chunk_chars=8, min_entries_per_worker=1, max_entries_per_worker=4))
+    long = chunk_hashes("A" * 48, 8)  # 6 chunks into a capacity of 4
+    idx.insert("w", long, now=0.0)
+    assert idx.size("w") == 4
+    assert idx.match("w", long, now=0.0) == 4  # the first four survive; the tail was evicted
+
+
+def test_reported_misses_shrink_the_workers_capacity_and_hits_grow_it_back():
+    idx = PrefixIndex(CFG)
+    for i in range(8):
+        idx.insert("w", chunk_hashes(f"{i}" * 32, 8), now=0.0)
+    assert idx.size("w") == 32
+    idx.correct("w", predicted_chunks=4, reported_chunks=0)
+    assert idx.capacity("w") == int(0.8 * 32) == idx.size("w")
+    idx.correct("w", predicted_chunks=4, reported_chunks=4)
+    assert idx.capacity("w") == 26
+    idx.forget("w")
+    assert idx.size("w") == 0 and idx.capacity("w") == 64
+
+
+def test_prompt_key_reads_completions_and_chat_and_rejects_bad_prompts():
+    k = prompt_key({"prompt": [1, 2, 3, 4, 5]}, chat=False, cfg=CFG)
+    assert (k.is_tokens, k.length, len(k.hashes)) == (True, 5, 1)
+    chat = prompt_key({"messages": [{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}, True, CFG)
+    assert not chat.is_tokens and chat.length == len("<|system|>be brief\n<|user|>hi\n")
+    for bad, is_chat in [({"prompt": 3}, False), ({}, False), ({"messages": []}, True),
+                         ({"messages": [{"content": "x"}]}, True), ({"prompt": [1, "a"]}, False)]:
+        with pytest.raises(InvalidRequestError):
+            prompt_key(bad, is_chat, CFG)
+
+
+def test_token_estimator_learns_chars_per_token_from_reported_usage():
+    est = TokenEstimator()
+    k = prompt_key({"prompt": "x" * 300}, False, CFG)
+    assert est.prompt_tokens(k) == 75
+    for _ in range(60):
+        est.observe(k, 100)
+    assert est.chars_per_token == pytest.approx(3.0, rel=0.01)
+    assert est.hit_tokens(k, chunks=10, prompt_tokens=100) == int(80 / est.chars_per_token)
+    assert est.hit_tokens(k, chunks=1000, prompt_tokens=100) == 99  # the last token is always computed
+
+
+def test_linear_fit_starts_at_the_prior_and_learns_the_truth():
+    fit = LinearFit(0.02, 1 / 8000, x_scale=1024, prior_weight=2, decay=0.9)
+    assert fit.predict(1000) == pytest.approx(0.02 + 1000 / 8000)
+    rng = random.Random(0)
+    for _ in range(200):  # true: 0.1 s + x / 500 tps, noisy
+        x = rng.uniform(0, 4000)
+        fit.update(x, (0.1 + x / 500) * rng.uniform(0.95, 1.05))
+    assert 1 / fit.b == pytest.approx(500, rel=0.15)
+    assert fit.predict(2000) == pytest.approx(4.1, rel=0.1)
+    a, b = fit.a, fit.b
+    for bad in [(-1, 1), (1, math.nan), (math.inf, 1)]:
+        fit.update(*bad)
+    assert (fit.a, fit.b) == (a, b)
+
+
+def test_linear_fit_stays_sane_when_every_sample_has_the_same_x():
+    rates = WorkerRates(RatePriors())
+    for _ in range(50):
+        rates.ttft.update(1000, 0.5)
+    assert rates.ttft.predict(1000) == pytest.approx(0.5, rel=0.1)
+    assert rates.prefill_rate_tps > 0 and rates.ttft_base_s >= 0
+
+
+def test_worker_metrics_of_tokenmill_vllm_and_sglang():
+    vllm = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} 3.0\n'
+            '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name="m"} 5.0\n'
+            '# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name="m"} 0.5\n')
+    g = parse_worker_metrics(vllm)
+    assert (g.kind, g.running, g.waiting, g.kv_usage) == ("vllm", 3, 5, 0.5)
+    sglang = ('# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{model_name="m"} 2\n'
+              '# TYPE sglang:num_queue_reqs gauge\nsglang:num_queue_reqs{model_name="m"} 7\n'
+              '# TYPE sglang:token_usage gauge\nsglang:token_usage{model_name="m"} 0.1\n')
+    assert parse_worker_metrics(sglang) == parse_worker_metrics(sglang).__class__("sglang", 2, 7, 0.1)
+    assert parse_worker_metrics("# TYPE tokenmill_x counter\ntokenmill_x_total 1\n" + vllm).kind == "tokenmill"
+    assert parse_worker_metrics("").kind == "openai"
+
+
+def test_config_from_dict_merges_classes_and_names_bad_keys(tmp_path):
+    cfg = config_from_dict({"workers": ["http://h:1", {"url": "http://h:2", "kind": "vllm"}, "sglang=http://h:3"],
+                            "classes": [{"name": "interactive", "ttft_slo_s": 0.25}],
+                            "api_keys": {"k1": "batch"}, "admission": {"mode": "lagging"}})
+    assert [w.kind for w in cfg.workers] == ["auto", "vllm", "sglang"]
+    inter = next(c for c in cfg.classes if c.name == "interactive")
+    assert (inter.ttft_slo_s, inter.tpot_slo_s) == (0.25, 0.10)
+    assert cfg.class_of_key("k1") == "batch" and cfg.admission.mode == "lagging"
+    for bad, match in [({"polcy": "x"}, "polcy"), ({"policy": "x"}, "routing policy"),
+                       ({"api_keys": {"k": "vip"}}, "vip"), ({"workers": ["h:1"]}, "http"),
+                       ({"admission": {"mod": 1}}, "mod"), ({"classes": [{"name": "a", "ttft_slo_s": -1, "tpot_slo_s": 1, "priority": 3}]}, "ttft"),
+                       ({"classes": [{"name": "vip"}]}, "priority")]:
+        with pytest.raises(ValueError, match=match):
+            config_from_dict(bad)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"workers": ["http://h:1"], "port": 9001}))
+    assert load_config(path) == RouterConfig(workers=cfg.workers[:1], port=9001)
+
+
+def test_cli_turns_bad_input_into_one_line_errors(tmp_path):
+    from tokenmill.cli import CLIError, main
+    from tokenmill.router.cli import build_config
+
+    args = argparse.Namespace(config=None, worker=["http://h:1"], policy="prefix", host=None, port=None,
+                              admission="off")
+    cfg = build_config(args)
+    assert (cfg.policy, cfg.admission.mode, cfg.port) == ("prefix", "off", 8080)
+    with pytest.raises(CLIError, match="--worker"):
+        build_config(argparse.Namespace(**{**vars(args), "worker": []}))
+    with pytest.raises(CLIError, match="http"):
+        build_config(argparse.Namespace(**{**vars(args), "worker": ["localhost:1"]}))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert main(["route", "--config", str(bad)]) == 2

@@ -1,0 +1,68 @@
+"""`tokenmill route`: an OpenAI-compatible gateway over N workers (tokenmill, vLLM, SGLang).
+
+    tokenmill route --worker http://127.0.0.1:8001 --worker http://127.0.0.1:8002
+    tokenmill route --worker vllm=http://10.0.0.2:8000 --policy least-load --port 9000
+    tokenmill route --config router.json --admission lagging
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+from tokenmill.router.admission import MODES
+from tokenmill.router.policies import POLICIES
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("route", help="gateway over N workers: cache/load-aware routing, admission control",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", action="append", default=[], metavar="[KIND=]URL",
+                   help="worker base URL; KIND is auto (default), tokenmill, vllm, sglang or openai. Repeatable")
+    p.add_argument("--policy", choices=sorted(POLICIES), help="routing policy (default prefix-load)")
+    p.add_argument("--admission", choices=MODES, help="admission control (default leading)")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8080)")
+    p.add_argument("--config", metavar="FILE", help="router config, JSON or TOML (see tokenmill/router/config.py)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+    return p
+
+
+def build_config(args: argparse.Namespace):
+    from tokenmill.cli import CLIError
+    from tokenmill.router.config import RouterConfig, load_config
+    from tokenmill.router.worker_state import WorkerSpec
+
+    try:
+        cfg = load_config(args.config) if args.config else RouterConfig()
+        changes = {k: getattr(args, k) for k in ("policy", "host", "port") if getattr(args, k) is not None}
+        if args.worker:
+            changes["workers"] = tuple(WorkerSpec.parse(w) for w in args.worker)
+        if args.admission:
+            changes["admission"] = dataclasses.replace(cfg.admission, mode=args.admission)
+        cfg = dataclasses.replace(cfg, **changes)
+    except OSError as e:
+        raise CLIError(f"cannot read --config: {e}") from None
+    except ValueError as e:  # includes JSON/TOML syntax errors
+        raise CLIError(str(e)) from None
+    if not cfg.workers:
+        raise CLIError("give at least one --worker URL (or `workers` in --config)")
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from tokenmill.router.app import create_app
+    from tokenmill.router.router import Router
+
+    cfg = build_config(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    app = create_app(Router(cfg))
+    workers = ", ".join(w.url for w in cfg.workers)
+    print(f"tokenmill route: http://{cfg.host}:{cfg.port} policy={cfg.policy} admission={cfg.admission.mode} "
+          f"workers={workers}", flush=True)
+    web.run_app(app, host=cfg.host, port=cfg.port, print=None, access_log=None)
+    return 0

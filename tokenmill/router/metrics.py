@@ -1,0 +1,81 @@
+"""The router's own Prometheus metrics (its own CollectorRegistry; served at the router's /metrics).
+
+Counters and histograms are updated as requests move; per-worker gauges are read from the live worker
+pool at scrape time, so removed workers disappear from the output.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from tokenmill.router.worker_state import WorkerPool
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 60.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+P = "tokenmill_router_"
+
+
+class RouterMetrics:
+    def __init__(self, pool: WorkerPool, queue_depths=lambda: {}):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(P + "requests", "Requests by class and outcome "
+                                "(ok, rejected, failed, client_error, cancelled)", ["class", "outcome"], registry=r)
+        self.routed = Counter(P + "routed_requests", "Attempts sent to each worker", ["worker"], registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens sent (estimated for text)", ["worker"],
+                                     registry=r)
+        self.prefix_hit_tokens = Counter(P + "estimated_prefix_hit_tokens", "Prompt tokens the prefix index "
+                                         "expected cached on the worker", ["worker"], registry=r)
+        self.reported_cached_tokens = Counter(P + "reported_cached_tokens", "Cached prompt tokens the worker "
+                                              "reported (usage.prompt_tokens_details)", ["worker"], registry=r)
+        self.predicted_ttft = Histogram(P + "predicted_ttft_seconds", "TTFT predicted at dispatch", ["worker"],
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.observed_ttft = Histogram(P + "observed_ttft_seconds", "TTFT observed at the router", ["worker"],
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft_error = Histogram(P + "ttft_prediction_abs_error_seconds", "|observed - predicted| TTFT",
+                                    ["worker"], buckets=LATENCY_BUCKETS, registry=r)
+        self.rejections = Counter(P + "rejections", "Requests refused, by class and reason", ["class", "reason"],
+                                  registry=r)
+        self.retries = Counter(P + "retries", "Attempts that failed before the first token and were retried "
+                               "elsewhere", ["worker", "reason"], registry=r)
+        self.class_ttft = Histogram(P + "class_ttft_seconds", "TTFT per class (from router arrival)", ["class"],
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.class_tpot = Histogram(P + "class_tpot_seconds", "TPOT per class", ["class"], buckets=TPOT_BUCKETS,
+                                    registry=r)
+        self.slo_met = Counter(P + "class_slo_met", "Finished requests that met both SLOs of their class",
+                               ["class"], registry=r)
+        self.queue_wait = Histogram(P + "queue_wait_seconds", "Time held in the class queue before dispatch",
+                                    ["class"], buckets=LATENCY_BUCKETS, registry=r)
+        r.register(_PoolCollector(pool, queue_depths))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _PoolCollector:
+    def __init__(self, pool: WorkerPool, queue_depths):
+        self.pool, self.queue_depths = pool, queue_depths
+
+    def collect(self):
+        gauges = {
+            "worker_healthy": ("1 if the worker passes health checks", lambda w: float(w.healthy)),
+            "worker_outstanding_requests": ("Requests sent, not finished", lambda w: w.outstanding),
+            "worker_outstanding_prefill_tokens": ("Uncached prompt tokens sent, first token not seen",
+                                                  lambda w: max(0, w.prefill_tokens)),
+            "worker_decode_streams": ("Requests past their first token", lambda w: w.decode_streams),
+            "worker_prefill_rate_tokens_per_second": ("Learned prefill rate", lambda w: w.rates.prefill_rate_tps),
+            "worker_ttft_base_seconds": ("Learned TTFT of an idle worker", lambda w: w.rates.ttft_base_s),
+            "worker_tpot_per_stream_seconds": ("Learned TPOT added per decode stream",
+                                               lambda w: w.rates.tpot_per_stream_s),
+        }
+        workers = list(self.pool)
+        for name, (doc, get) in gauges.items():
+            g = GaugeMetricFamily(P + name, doc, labels=["worker"])
+            for w in workers:
+                g.add_metric([w.url], float(get(w)))
+            yield g
+        q = GaugeMetricFamily(P + "queue_depth", "Requests held in each class queue", labels=["class"])
+        for name, depth in self.queue_depths().items():
+            q.add_metric([name], float(depth))
+        yield q

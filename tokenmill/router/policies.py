@@ -1,0 +1,123 @@
+"""Routing policies: pure functions (RouteSnapshot, PolicyParams) -> RouteChoice. No I/O, no clock.
+
+    round-robin   the (seq mod n)-th routable worker
+    least-load    fewest outstanding requests; ties: least queued work (prefill + λ·decode tokens)
+    prefix        longest estimated cached prefix; ties (and no hit anywhere): least-load
+    prefix-load   (default) least estimated cost among the workers the load guard allows:
+                      cost_w = ttft_base_w + (uncached_w + prefill_tokens_w + λ·decode_streams_w) / prefill_rate_w
+                  i.e. the uncached prefill after the prefix hit plus the worker's outstanding work, in
+                  seconds of that worker's learned speed. Load guard: a worker is skipped when
+                      outstanding_w - min_outstanding > guard_abs  and  outstanding_w > guard_rel · min_outstanding
+                  so a cache hit can never pile more than ~guard_abs requests onto one worker.
+
+Workers in `request.exclude` (already tried for this request) and unhealthy or draining workers are never
+chosen. `worker` is None when no worker is routable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from tokenmill.router.snapshot import RouteSnapshot, WorkerView, uncached_tokens
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    decode_stream_cost_tokens: float = 32.0  # λ: one running decode stream costs this many prefill tokens
+    guard_abs: int = 4  # load guard: outstanding requests over the least-loaded worker ...
+    guard_rel: float = 2.0  # ... and this many times its outstanding requests
+
+    def __post_init__(self):
+        if self.decode_stream_cost_tokens < 0:
+            raise ValueError("policy decode_stream_cost_tokens must be >= 0")
+        if self.guard_abs < 0 or self.guard_rel < 1:
+            raise ValueError("policy load guard needs guard_abs >= 0 and guard_rel >= 1")
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    worker: str | None
+    reason: str  # why: "round-robin" | "least-load" | "prefix-hit" | "least-cost" | "no-worker"
+    costs: tuple[tuple[str, float], ...] = ()  # per candidate worker, for debugging and metrics
+
+
+Policy = Callable[[RouteSnapshot, PolicyParams], RouteChoice]
+POLICIES: dict[str, Policy] = {}
+
+
+def register_policy(name: str) -> Callable[[Policy], Policy]:
+    def register(fn: Policy) -> Policy:
+        if name in POLICIES:
+            raise ValueError(f"routing policy {name!r} is registered twice")
+        POLICIES[name] = fn
+        return fn
+
+    return register
+
+
+def get_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(sorted(POLICIES))}") from None
+
+
+def queued_work_tokens(w: WorkerView, p: PolicyParams) -> float:
+    return w.prefill_tokens + p.decode_stream_cost_tokens * w.decode_streams
+
+
+def _load_key(w: WorkerView, p: PolicyParams) -> tuple:
+    return (w.outstanding, queued_work_tokens(w, p), w.url)
+
+
+NO_WORKER = RouteChoice(None, "no-worker")
+
+
+@register_policy("round-robin")
+def round_robin(snap: RouteSnapshot, p: PolicyParams) -> RouteChoice:
+    workers = snap.routable(snap.request.exclude)
+    if not workers:
+        return NO_WORKER
+    return RouteChoice(workers[snap.request.seq % len(workers)].url, "round-robin")
+
+
+@register_policy("least-load")
+def least_load(snap: RouteSnapshot, p: PolicyParams) -> RouteChoice:
+    workers = snap.routable(snap.request.exclude)
+    if not workers:
+        return NO_WORKER
+    best = min(workers, key=lambda w: _load_key(w, p))
+    return RouteChoice(best.url, "least-load", tuple((w.url, float(w.outstanding)) for w in workers))
+
+
+@register_policy("prefix")
+def prefix(snap: RouteSnapshot, p: PolicyParams) -> RouteChoice:
+    workers = snap.routable(snap.request.exclude)
+    if not workers:
+        return NO_WORKER
+    best = min(workers, key=lambda w: (-w.cached_prefix_tokens,) + _load_key(w, p))
+    reason = "prefix-hit" if best.cached_prefix_tokens > 0 else "least-load"
+    return RouteChoice(best.url, reason, tuple((w.url, float(-w.cached_prefix_tokens)) for w in workers))
+
+
+def prefix_load_cost_s(w: WorkerView, snap: RouteSnapshot, p: PolicyParams) -> float:
+    work = uncached_tokens(w, snap.request) + queued_work_tokens(w, p)
+    return w.ttft_base_s + work / w.prefill_rate_tps
+
+
+def load_guard(workers: tuple[WorkerView, ...], p: PolicyParams) -> tuple[WorkerView, ...]:
+    least = min(w.outstanding for w in workers)
+    return tuple(w for w in workers if not (w.outstanding - least > p.guard_abs and w.outstanding > p.guard_rel * least))
+
+
+@register_policy("prefix-load")
+def prefix_load(snap: RouteSnapshot, p: PolicyParams) -> RouteChoice:
+    workers = snap.routable(snap.request.exclude)
+    if not workers:
+        return NO_WORKER
+    costs = tuple((w.url, prefix_load_cost_s(w, snap, p)) for w in workers)
+    allowed = {w.url for w in load_guard(workers, p)}
+    cost_of = dict(costs)
+    best = min((w for w in workers if w.url in allowed), key=lambda w: (cost_of[w.url],) + _load_key(w, p))
+    return RouteChoice(best.url, "least-cost", costs)

@@ -1,0 +1,249 @@
+"""Router: owns the live state (worker pool, prefix index, class queues) and applies the pure decisions.
+
+    ctx = router.new_request(body, chat, class, ...)     # prompt hashes, token estimate, arrival time
+    f = await router.acquire(ctx)                         # admit now, hold in the class queue, or raise Refused
+    router.first_token(f) ... router.finish(f, ...)       # every change of work wakes the held requests
+
+Decisions are `policies.*` and `admission.admit` applied to `snapshot(ctx)`; this class only gathers the
+snapshot, commits the choice, and does the bookkeeping. The HTTP side lives in proxy.py and app.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from tokenmill.router.admission import Admission, admit
+from tokenmill.router.classes import WorkloadClass, by_name
+from tokenmill.router.config import RouterConfig
+from tokenmill.router.metrics import RouterMetrics
+from tokenmill.router.policies import get_policy
+from tokenmill.router.prefix_index import PrefixIndex
+from tokenmill.router.prompt import PromptKey, TokenEstimator
+from tokenmill.router.queues import ClassQueues, Held
+from tokenmill.router.snapshot import RouteRequest, RouteSnapshot, uncached_tokens
+from tokenmill.router.worker_state import InFlight, WorkerPool, WorkerSpec, WorkerState
+
+REJECT_STATUS = {"no-worker": 503, "overloaded": 503}  # every other reason: 429
+
+
+class Refused(Exception):
+    """The router will not serve this request now: an HTTP status, a reason code and a Retry-After."""
+
+    def __init__(self, reason: str, retry_after_s: float, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.status = REJECT_STATUS.get(reason, 429)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class RequestCtx:
+    request_id: str
+    cls: WorkloadClass
+    key: PromptKey
+    prompt_tokens: int
+    arrival_s: float
+    seq: int
+    max_tokens: int
+    tried: set[str] = field(default_factory=set)
+    first_token_s: float | None = None
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, clock=time.monotonic):
+        self.cfg = cfg
+        self.clock = clock
+        self.pool = WorkerPool(cfg.rate_priors)
+        for spec in cfg.workers:
+            self.pool.add(spec)
+        self.index = PrefixIndex(cfg.prefix_index)
+        self.tokens = TokenEstimator()
+        self.policy = get_policy(cfg.policy)
+        self.classes = by_name(cfg.classes)
+        self.queues = ClassQueues(cfg.classes)
+        self.metrics = RouterMetrics(self.pool, self.queues.depths)
+        self.in_flight = 0  # requests accepted and not answered (held ones included)
+        self._seq = itertools.count()
+        self._ticker: asyncio.Task | None = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._ticker = asyncio.create_task(self._tick())
+
+    async def close(self) -> None:
+        if self._ticker:
+            self._ticker.cancel()
+        for cls in self.queues.classes:
+            for h in self.queues[cls.name]:
+                if not h.future.done():
+                    h.future.set_exception(Refused("no-worker", 1.0, "the router is shutting down"))
+
+    async def _tick(self, period_s: float = 0.02) -> None:
+        """Held requests see time pass (budgets shrink, deadlines expire) even when no work finishes."""
+        while True:
+            await asyncio.sleep(period_s)
+            if self.queues.any_waiting():
+                self.pump()
+
+    # ---- workers -------------------------------------------------------------------------------------
+    def add_worker(self, spec: WorkerSpec) -> WorkerState:
+        return self.pool.add(spec)
+
+    def remove_worker(self, url: str) -> bool:
+        found = self.pool.remove(url)
+        if found:
+            self.index.forget(url)
+        return found
+
+    def mark_down(self, url: str) -> None:
+        w = self.pool.get(url)
+        if w is not None and w.healthy:
+            w.healthy = False
+            self.index.forget(url)  # it probably restarts with an empty cache
+
+    def mark_up(self, url: str) -> None:
+        w = self.pool.get(url)
+        if w is not None and not w.healthy:
+            w.healthy = True
+            self.pump()
+
+    # ---- one request ---------------------------------------------------------------------------------
+    def new_request(self, key: PromptKey, cls: WorkloadClass, max_tokens: int) -> RequestCtx:
+        return RequestCtx(f"rt-{uuid.uuid4().hex[:16]}", cls, key, self.tokens.prompt_tokens(key), self.clock(),
+                          next(self._seq), max_tokens)
+
+    def snapshot(self, ctx: RequestCtx) -> tuple[RouteSnapshot, dict[str, int]]:
+        """The snapshot for `ctx` now, and the matched prefix chunks per worker."""
+        now = self.clock()
+        views, chunks = [], {}
+        for w in self.pool:
+            n = self.index.match(w.url, ctx.key.hashes, now) if w.healthy else 0
+            chunks[w.url] = n
+            views.append(w.view(self.tokens.hit_tokens(ctx.key, n, ctx.prompt_tokens)))
+        req = RouteRequest(ctx.request_id, now, ctx.arrival_s, ctx.prompt_tokens, ctx.cls.name, ctx.seq,
+                           ctx.max_tokens, frozenset(ctx.tried))
+        return RouteSnapshot(tuple(views), req), chunks
+
+    def decide(self, ctx: RequestCtx, held: bool = False) -> tuple[Admission, RouteSnapshot, dict[str, int]]:
+        snap, chunks = self.snapshot(ctx)
+        choice = self.policy(snap, self.cfg.policy_params)
+        if ctx.tried:  # a retry was admitted already: only the routing policy picks among the workers left
+            adm = Admission("admit", choice.worker) if choice.worker else Admission("reject", reason="no-worker")
+        else:
+            adm = admit(snap, choice, ctx.cls, self.cfg.classes, self.cfg.admission,
+                        self.queues.room(ctx.cls), held)
+        return adm, snap, chunks
+
+    async def acquire(self, ctx: RequestCtx) -> InFlight:
+        """A worker for `ctx` (an attempt started there), after holding it if admission says so."""
+        adm, snap, chunks = self.decide(ctx)
+        if adm.action == "reject":
+            raise self._refuse(ctx, adm.reason, adm.retry_after_s)
+        queued_ahead = bool(self.queues[ctx.cls.name]) and not ctx.tried  # FIFO within a class
+        if adm.action == "admit" and not queued_ahead:
+            return self._dispatch(ctx, adm, snap, chunks)
+        if self.queues.room(ctx.cls) <= 0:
+            raise self._refuse(ctx, "queue-full", adm.retry_after_s)
+        fut = asyncio.get_running_loop().create_future()
+        held = Held(ctx, fut, self.clock())
+        self.queues[ctx.cls.name].append(held)
+        self.pump()
+        try:
+            return await fut
+        except asyncio.CancelledError:  # client left while held
+            fut.cancel()
+            self.queues.drop_done()
+            raise
+        finally:
+            self.metrics.queue_wait.labels(ctx.cls.name).observe(self.clock() - held.held_s)
+
+    def pump(self) -> None:
+        """Admit, or refuse at their deadline, held requests: classes in priority order, FIFO within one.
+        Sheddable classes wait while any non-sheddable class has requests held."""
+        self.queues.drop_done()
+        for cls in self.queues.classes:
+            q = self.queues[cls.name]
+            while q:
+                head = q[0]
+                adm, snap, chunks = self.decide(head.ctx, held=True)
+                if adm.action == "admit" and cls.sheddable and self.queues.any_waiting(sheddable=False):
+                    break
+                if adm.action == "hold":
+                    break
+                q.popleft()
+                if adm.action == "admit":
+                    head.future.set_result(self._dispatch(head.ctx, adm, snap, chunks))
+                else:
+                    head.future.set_exception(self._refuse(head.ctx, adm.reason, adm.retry_after_s))
+
+    def _dispatch(self, ctx: RequestCtx, adm: Admission, snap: RouteSnapshot, chunks: dict[str, int]) -> InFlight:
+        w = self.pool.get(adm.worker)
+        view = next(v for v in snap.workers if v.url == adm.worker)
+        predicted = adm.predicted_ttft_s if adm.predicted_ttft_s is not None else 0.0
+        f = w.start(ctx.request_id, uncached_tokens(view, snap.request), predicted, snap.request.now)
+        f.hit_chunks, f.hit_tokens = chunks.get(w.url, 0), view.cached_prefix_tokens
+        ctx.tried.add(w.url)
+        self.index.insert(w.url, ctx.key.hashes, snap.request.now)
+        m = self.metrics
+        m.routed.labels(w.url).inc()
+        m.prompt_tokens.labels(w.url).inc(ctx.prompt_tokens)
+        m.prefix_hit_tokens.labels(w.url).inc(view.cached_prefix_tokens)
+        m.predicted_ttft.labels(w.url).observe(predicted)
+        return f
+
+    def _refuse(self, ctx: RequestCtx, reason: str, retry_after_s: float) -> Refused:
+        self.metrics.rejections.labels(ctx.cls.name, reason).inc()
+        messages = {
+            "no-worker": "no healthy worker is available",
+            "queue-full": f"the {ctx.cls.name!r} queue is full",
+            "deadline": f"the {ctx.cls.name!r} TTFT SLO ({ctx.cls.ttft_slo_s:g}s) cannot be met before the hold "
+                        "deadline",
+            "slo": f"no worker can meet the {ctx.cls.name!r} TTFT/TPOT SLO now",
+            "lagging": "workers are overloaded (observed latency or queue length over threshold)",
+        }
+        return Refused(reason, retry_after_s, messages.get(reason, reason))
+
+    # ---- attempt bookkeeping -------------------------------------------------------------------------
+    def first_token(self, ctx: RequestCtx, f: InFlight) -> None:
+        w = self.pool.get(f.worker)
+        now = self.clock()
+        ttft_s = w.first_token(f, now)
+        if ctx.first_token_s is None:
+            ctx.first_token_s = now
+            self.metrics.class_ttft.labels(ctx.cls.name).observe(now - ctx.arrival_s)
+        self.metrics.observed_ttft.labels(f.worker).observe(ttft_s)
+        self.metrics.ttft_error.labels(f.worker).observe(abs(ttft_s - f.predicted_ttft_s))
+        self.pump()
+
+    def end_prefill(self, f: InFlight) -> None:
+        """Non-streaming attempts: the prefill is assumed done at its predicted TTFT."""
+        w = self.pool.get(f.worker)
+        if w is not None and not f.prefill_done:
+            w.end_prefill(f)
+            self.pump()
+
+    def finish(self, ctx: RequestCtx, f: InFlight, output_tokens: int, usage: dict | None) -> float | None:
+        """The attempt `f` ended (success or not); returns its TPOT when measured."""
+        w = self.pool.get(f.worker)
+        tpot_s = w.finish(f, self.clock(), output_tokens) if w is not None else None
+        if usage:
+            self._learn_from_usage(ctx, f, usage)
+        if tpot_s is not None:
+            self.metrics.class_tpot.labels(ctx.cls.name).observe(tpot_s)
+        self.pool.reap()
+        self.pump()
+        return tpot_s
+
+    def _learn_from_usage(self, ctx: RequestCtx, f: InFlight, usage: dict) -> None:
+        prompt_tokens = usage.get("prompt_tokens")
+        if isinstance(prompt_tokens, int):
+            self.tokens.observe(ctx.key, prompt_tokens)
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(cached, int):
+            self.metrics.reported_cached_tokens.labels(f.worker).inc(cached)
+            self.index.correct(f.worker, f.hit_chunks, self.tokens.chunks_of(ctx.key, cached))

@@ -1,0 +1,71 @@
+"""The snapshot a routing or admission decision is a function of, and the estimates derived from it.
+
+Everything here is frozen and clock-free: the router builds a `RouteSnapshot` from its live state (and
+`now`); a simulator builds the same thing from a virtual clock. Units: tokens, seconds.
+
+    uncached_w     = max(0, prompt_tokens - cached_prefix_tokens_w)
+    predicted TTFT = ttft_base_s_w + (prefill_tokens_w + uncached_w) / prefill_rate_tps_w
+    predicted TPOT = tpot_base_s_w + tpot_per_stream_s_w * (decode_streams_w + 1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker as the router sees it when deciding one request."""
+
+    url: str
+    healthy: bool = True
+    outstanding: int = 0  # requests the router sent that have not finished
+    prefill_tokens: int = 0  # uncached prompt tokens sent whose first token has not come back
+    decode_streams: int = 0  # requests past their first token, not finished
+    cached_prefix_tokens: int = 0  # estimated prefix hit of *this* request here (prefix index)
+    ttft_base_s: float = 0.02  # learned: TTFT of an empty worker for a tiny prompt
+    prefill_rate_tps: float = 8192.0  # learned: uncached prompt tokens per second
+    tpot_base_s: float = 0.01  # learned: TPOT with one stream
+    tpot_per_stream_s: float = 0.0005  # learned: TPOT added per concurrent decode stream
+    reported_running: int | None = None  # worker's own gauges (/metrics), when it has them
+    reported_waiting: int | None = None
+    kv_usage: float | None = None  # 0..1
+    observed_ttft_s: float | None = None  # EWMA of observed TTFT: a lagging signal
+    draining: bool = False  # removed at runtime: finishes what it has, gets nothing new
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    request_id: str
+    now: float  # seconds, the caller's clock (monotonic or virtual)
+    arrival_s: float  # when the request reached the router (same clock)
+    prompt_tokens: int  # exact for token-id prompts, estimated from characters for text
+    workload_class: str = "interactive"
+    seq: int = 0  # router-wide arrival counter (round-robin's only state)
+    max_tokens: int = 16
+    exclude: frozenset[str] = frozenset()  # workers already tried for this request (retries)
+
+
+@dataclass(frozen=True)
+class RouteSnapshot:
+    workers: tuple[WorkerView, ...]
+    request: RouteRequest
+
+    def routable(self, exclude: frozenset[str] = frozenset()) -> tuple[WorkerView, ...]:
+        return tuple(w for w in self.workers if w.routable and w.url not in exclude)
+
+
+def uncached_tokens(w: WorkerView, r: RouteRequest) -> int:
+    return max(0, r.prompt_tokens - w.cached_prefix_tokens)
+
+
+def predicted_ttft_s(w: WorkerView, r: RouteRequest) -> float:
+    return w.ttft_base_s + (w.prefill_tokens + uncached_tokens(w, r)) / w.prefill_rate_tps
+
+
+def predicted_tpot_s(w: WorkerView) -> float:
+    return w.tpot_base_s + w.tpot_per_stream_s * (w.decode_streams + 1)

@@ -1,0 +1,168 @@
+"""What the router knows about each worker: work it has sent there, learned speeds, reported gauges.
+
+Leading indicators are counted here, at the moment the router sends work, not when the worker reports:
+
+    outstanding     requests sent and not finished
+    prefill_tokens  uncached prompt tokens sent whose first token has not come back
+    decode_streams  requests past their first token and not finished
+
+At each first token the TTFT fit learns (work ahead incl. own -> observed TTFT); at each finish the TPOT
+fit learns (decode streams -> observed TPOT). All methods take `now`; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.router.rates import Ewma, RatePriors, WorkerRates
+from tokenmill.router.snapshot import WorkerView
+
+WORKER_KINDS = ("auto", "tokenmill", "vllm", "sglang", "openai")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    url: str  # base URL, e.g. http://127.0.0.1:8001 (no trailing /v1)
+    kind: str = "auto"  # auto: detected from the worker's /metrics names
+
+    def __post_init__(self):
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"worker URL {self.url!r} must start with http:// or https://")
+        if self.url.rstrip("/").endswith("/v1"):
+            raise ValueError(f"worker URL {self.url!r}: give the base URL, without /v1")
+        if self.kind not in WORKER_KINDS:
+            raise ValueError(f"worker kind {self.kind!r} unknown; choose from {', '.join(WORKER_KINDS)}")
+
+    @classmethod
+    def parse(cls, text: str) -> "WorkerSpec":
+        """`URL` or `KIND=URL` (e.g. `vllm=http://10.0.0.2:8000`)."""
+        kind, sep, url = text.partition("=")
+        if not sep or kind.startswith("http"):
+            kind, url = "auto", text
+        return cls(url.rstrip("/"), kind)
+
+
+@dataclass
+class InFlight:
+    """One attempt of one request on one worker."""
+
+    request_id: str
+    worker: str
+    uncached_tokens: int
+    work_ahead_tokens: int  # prefill tokens queued there at send time, own included (the TTFT fit's x)
+    predicted_ttft_s: float
+    sent_s: float
+    first_token_s: float | None = None
+    prefill_done: bool = False
+    decode_streams_at_first: int = 0
+    hit_chunks: int = 0  # prefix chunks the index expected cached there (for the correction)
+    hit_tokens: int = 0
+
+
+class WorkerState:
+    def __init__(self, spec: WorkerSpec, priors: RatePriors):
+        self.url = spec.url
+        self.kind = spec.kind
+        self.healthy = False  # until the first health check passes
+        self.draining = False
+        self.failures = 0  # consecutive failed health checks
+        self.rates = WorkerRates(priors)
+        self.observed_ttft = Ewma(0.2)
+        self.outstanding = 0
+        self.prefill_tokens = 0
+        self.decode_streams = 0
+        self.reported_running: int | None = None
+        self.reported_waiting: int | None = None
+        self.kv_usage: float | None = None
+        self.models: list[str] = []
+
+    @property
+    def sends_priority_field(self) -> bool:
+        return self.kind == "tokenmill"  # vLLM rejects `priority` unless priority scheduling is on
+
+    def start(self, request_id: str, uncached_tokens: int, predicted_ttft_s: float, now: float) -> InFlight:
+        self.outstanding += 1
+        self.prefill_tokens += uncached_tokens
+        return InFlight(request_id, self.url, uncached_tokens, self.prefill_tokens, predicted_ttft_s, now)
+
+    def end_prefill(self, f: InFlight) -> None:
+        """The prompt of `f` is no longer queued prefill (first token seen, or estimated done, or failed)."""
+        if not f.prefill_done:
+            f.prefill_done = True
+            self.prefill_tokens -= f.uncached_tokens
+
+    def first_token(self, f: InFlight, now: float) -> float:
+        """Record an observed first token; returns the observed TTFT (s)."""
+        self.end_prefill(f)
+        f.first_token_s = now
+        self.decode_streams += 1
+        f.decode_streams_at_first = self.decode_streams
+        ttft_s = now - f.sent_s
+        self.rates.ttft.update(f.work_ahead_tokens, ttft_s)
+        self.observed_ttft.update(ttft_s)
+        return ttft_s
+
+    def finish(self, f: InFlight, now: float, output_tokens: int) -> float | None:
+        """The attempt ended (either way); returns the observed TPOT (s) when there is one."""
+        self.end_prefill(f)
+        self.outstanding -= 1
+        if f.first_token_s is None:
+            return None
+        streams = (f.decode_streams_at_first + self.decode_streams) / 2
+        self.decode_streams -= 1
+        if output_tokens < 2:
+            return None
+        tpot_s = (now - f.first_token_s) / (output_tokens - 1)
+        self.rates.tpot.update(streams, tpot_s)
+        return tpot_s
+
+    def view(self, cached_prefix_tokens: int = 0) -> WorkerView:
+        r = self.rates
+        return WorkerView(
+            url=self.url, healthy=self.healthy, outstanding=self.outstanding,
+            prefill_tokens=max(0, self.prefill_tokens), decode_streams=self.decode_streams,
+            cached_prefix_tokens=cached_prefix_tokens, ttft_base_s=r.ttft_base_s, prefill_rate_tps=r.prefill_rate_tps,
+            tpot_base_s=r.tpot_base_s, tpot_per_stream_s=r.tpot_per_stream_s,
+            reported_running=self.reported_running, reported_waiting=self.reported_waiting, kv_usage=self.kv_usage,
+            observed_ttft_s=self.observed_ttft.value, draining=self.draining,
+        )
+
+
+class WorkerPool:
+    """The workers, in the order they were added; removed ones drain (no new work) and then disappear."""
+
+    def __init__(self, priors: RatePriors):
+        self.priors = priors
+        self._workers: dict[str, WorkerState] = {}
+
+    def __iter__(self):
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def get(self, url: str) -> WorkerState | None:
+        return self._workers.get(url)
+
+    def add(self, spec: WorkerSpec) -> WorkerState:
+        w = self._workers.get(spec.url)
+        if w is not None:
+            w.draining = False
+            return w
+        w = self._workers[spec.url] = WorkerState(spec, self.priors)
+        return w
+
+    def remove(self, url: str) -> bool:
+        w = self._workers.get(url)
+        if w is None:
+            return False
+        w.draining = True
+        self.reap()
+        return True
+
+    def reap(self) -> list[str]:
+        """Forget draining workers with nothing in flight; returns their URLs."""
+        gone = [u for u, w in self._workers.items() if w.draining and w.outstanding == 0]
+        for u in gone:
+            del self._workers[u]
+        return gone
