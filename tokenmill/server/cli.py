@@ -76,6 +76,9 @@ def run(args) -> int:
     config = engine_config(args)
     engine = LLMEngine(config)  # ModelLoadError: printed as one line by tokenmill.cli
     names = args.served_model_name or [engine.model_name]
+    alias = os.path.basename(os.path.normpath(args.model))
+    if not args.served_model_name and alias not in names:  # a directory: its name works too
+        names.append(alias)
     app = create_app(engine, api_key=args.api_key, served_model_names=names,
                      max_pending=config.max_waiting_requests, enable_prefix_caching=config.enable_prefix_caching)
     stats = engine.stats()
