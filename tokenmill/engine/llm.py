@@ -32,8 +32,8 @@ class GenerationResult:
 
 
 class LLM:
-    def __init__(self, model: str = "demo", **engine_kwargs):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+    def __init__(self, model: str = "demo", *, config: EngineConfig | None = None, **engine_kwargs):
+        self.engine = LLMEngine(config or EngineConfig.from_kwargs(model=model, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

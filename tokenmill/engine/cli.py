@@ -1,0 +1,71 @@
+"""`tokenmill generate --model M --prompt TEXT`: offline generation from the command line."""
+
+from __future__ import annotations
+
+import sys
+
+
+def add_engine_args(p, default_model: str = "demo") -> None:
+    """Engine options shared by `generate` and `serve`."""
+    p.add_argument("--model", default=default_model,
+                   help="shipped model name (demo) or an HF-format directory (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-bytes", default="1GiB", help="KV cache size, e.g. 512MiB, 4GiB (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn prefix caching off (on by default)")
+    p.add_argument("--max-waiting-requests", type=int, default=4096, help="bounded waiting queue")
+    p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+
+
+def engine_config_from_args(args):
+    from tokenmill.engine.config import EngineConfig, parse_bytes
+    from tokenmill.cli import CLIError
+
+    try:
+        kv = parse_bytes(args.kv_cache_bytes)
+    except ValueError:
+        raise CLIError(f"--kv-cache-bytes: cannot parse {args.kv_cache_bytes!r} (e.g. 512MiB, 4GiB)") from None
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, kv_cache_bytes=kv,
+                        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        max_waiting_requests=args.max_waiting_requests, num_threads=args.num_threads)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text offline (no server)")
+    add_engine_args(p)
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    llm = LLM(config=config)
+    print(llm.engine.describe(), file=sys.stderr)
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
+               for p in args.prompt]
+    for r in llm.generate(prompts, params):
+        c = r.outputs[0]
+        if len(prompts) > 1:
+            print(f"--- prompt: {r.prompt!r} ({c.finish_reason}, {len(c.token_ids)} tokens)")
+        print((args.prompt[0] if len(prompts) == 1 and not args.chat else "") + c.text)
+    return 0
