@@ -41,12 +41,16 @@ class State:
     script: Script
     seen: list[Seen] = field(default_factory=list)
     inflight: int = 0
+    max_inflight: int = 0
+
+
+STATE = web.AppKey("state", State)
 
 
 def make_app(script: Script) -> web.Application:
     state = State(script)
     app = web.Application()
-    app["state"] = state
+    app[STATE] = state
 
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": script.model, "object": "model"}]})
@@ -72,6 +76,7 @@ def make_app(script: Script) -> web.Application:
             await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
         ttft = script.ttft_s + script.ttft_per_inflight_s * state.inflight
         state.inflight += 1
+        state.max_inflight = max(state.max_inflight, state.inflight)
         try:
             await asyncio.sleep(ttft)
             total = body["max_tokens"]
@@ -116,7 +121,11 @@ class FakeServer:
 
     @property
     def seen(self) -> list[Seen]:
-        return self.app["state"].seen
+        return self.app[STATE].seen
+
+    @property
+    def state(self) -> State:
+        return self.app[STATE]
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)

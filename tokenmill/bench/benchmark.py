@@ -16,6 +16,7 @@ from tokenmill.bench.slo import resolve_slos
 from tokenmill.bench.sweep import SweepPoint, find_max_rate
 from tokenmill.bench.tokenizer import PromptVocab, find_tokenizer, load_vocab
 from tokenmill.bench.workloads import Workload, make_workload
+from tokenmill.bench.workloads.mix import Mix
 from tokenmill.cli import CLIError
 
 
@@ -28,7 +29,8 @@ async def run_benchmark(cfg: BenchConfig) -> BenchResult:
     if cfg.model and served and cfg.model not in served:
         raise CLIError(f"--model {cfg.model!r} is not served by {cfg.target}; it serves {', '.join(served)}")
     vocab = load_vocab(find_tokenizer(cfg.tokenizer, model), cfg.seed)
-    workload = make_workload(cfg.workload, vocab, cfg.seed)
+    workload = make_workload(cfg.workloads[0], vocab, cfg.seed) if len(cfg.workloads) == 1 else \
+        Mix.of_specs(list(cfg.workloads), vocab, cfg.seed)
     prompt_format = cfg.prompt_format or ("tokens" if vocab.exact and cfg.endpoint == "completions" else "text")
     client_cfg = ClientConfig(cfg.target, model, cfg.endpoint, prompt_format, cfg.ignore_eos,
                               cfg.request_timeout_s, cfg.api_key, cfg.extra_body)
@@ -60,13 +62,15 @@ async def run_benchmark(cfg: BenchConfig) -> BenchResult:
 
 async def run_level(client_cfg: ClientConfig, vocab: PromptVocab, workload: Workload, load: LoadConfig,
                     cfg: BenchConfig, slos) -> RunResult:
-    label = {"rate": f"rate={load.rate:.4g}", "concurrency": f"concurrency={load.concurrency}"}.get(load.mode, "trace")
-    progress = Progress(load.num_requests, load.duration_s, f"{label} ", enabled=cfg.progress)
+    progress = Progress(load.num_requests, load.duration_s, f"{load.label} ", enabled=cfg.progress)
+    plan = schedule(workload, load, cfg.seed)
+    if load.num_requests is not None and not workload.finite:
+        plan = iter(list(plan))  # plan up front so planning never delays a send (traces plan lazily: size)
     async with Client(client_cfg, vocab, Clock()) as client:
         client.clock = Clock()  # t = 0: the first request is due now
-        records = await run_load(client, schedule(workload, load, cfg.seed), load, progress)
+        records = await run_load(client, plan, load, progress)
     duration = run_duration(records)
-    return RunResult(label, load, records, summarize(records, slos, duration),
+    return RunResult(load.label, load, records, summarize(records, slos, duration),
                      summarize_by_class(records, slos, duration), plan_digest(records, load))
 
 

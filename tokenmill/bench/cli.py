@@ -6,6 +6,7 @@
     tokenmill bench --target URL --workload trace:../shared/traces/mooncake_synthetic_trace.jsonl,time_scale=0.1 \\
         --num-requests 300 --out r/mooncake
     tokenmill bench --target URL --workload mix:chat=0.7,batch=0.3 --rate 2 --slo interactive:ttft=500,tpot=50 --out r/
+    tokenmill bench --target URL --workload chat:think_s=0@3 --workload batch:output=64@1 --rate 2 --out r/
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", help="model name (default: the first listed by GET /v1/models)")
     p.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json for exact prompt lengths "
                    "(default: --model when it is a local directory; else an approximation the report states)")
-    p.add_argument("--workload", default="chat", help="chat | agent | batch | shared-prefix | trace:FILE | "
-                   "mix:NAME=W,... ; parameters as NAME:key=value,... (default: chat)")
+    p.add_argument("--workload", action="append", metavar="SPEC",
+                   help="chat | agent | batch | shared-prefix | trace:FILE | mix:NAME=W,... ; parameters as "
+                   "NAME:key=value,... ; repeat as SPEC@WEIGHT for a mix (default: chat)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--prompt-format", choices=["tokens", "text"],
                    help="tokens: token-id prompts, exact lengths (default with a tokenizer on completions)")

@@ -138,7 +138,8 @@ class Client:
             rec.status, rec.error = "failed", f"timeout after {self.config.request_timeout_s:g} s"
         except (aiohttp.ClientError, json.JSONDecodeError, UnicodeDecodeError) as e:
             rec.status, rec.error = "failed", f"{type(e).__name__}: {e}"[:300]
-        rec.end_s = self.clock()
+        if rec.end_s is None:  # no [DONE] (or an error): the end of the body ends the stream
+            rec.end_s = self.clock()
         if rec.ok and rec.first_token_s is None:
             rec.status, rec.error = "failed", "the stream carried no output"
         return rec
@@ -146,18 +147,20 @@ class Client:
     async def _read_stream(self, resp: aiohttp.ClientResponse, rec: RequestRecord) -> None:
         chat = self.config.endpoint == "chat"
         chunks = 0
-        async for raw in resp.content:  # one SSE line at a time
+        async for raw in resp.content:  # one SSE line at a time; read to the end so the connection is reused
             line = raw.strip()
-            if not line.startswith(b"data:"):
+            if not line.startswith(b"data:") or rec.end_s is not None:
                 continue
             data = line[5:].strip()
-            if data == b"[DONE]":
-                break
             t = self.clock()
+            if data == b"[DONE]":
+                rec.end_s = t
+                continue
             event = json.loads(data)
             if event.get("error"):
                 rec.status, rec.error = "failed", f"error event: {json.dumps(event['error'])[:300]}"
-                return
+                rec.end_s = t
+                continue
             if _has_output(event.get("choices"), chat):
                 rec.chunk_s.append(t)
                 if rec.first_token_s is None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenmill.bench.runner import LoadConfig
 from tokenmill.bench.slo import parse_slo
 from tokenmill.bench.sweep import SweepConfig
-from tokenmill.bench.workloads import WORKLOADS
+from tokenmill.bench.workloads import workload_class
 from tokenmill.cli import CLIError
 
 DEFAULT_NUM_REQUESTS = 100  # when neither --duration nor --num-requests is given (traces: the whole trace)
@@ -19,7 +19,7 @@ DEFAULT_NUM_REQUESTS = 100  # when neither --duration nor --num-requests is give
 class BenchConfig:
     target: str
     out: Path
-    workload: str = "chat"
+    workloads: tuple[str, ...] = ("chat",)  # several: a mix, SPEC[@WEIGHT] each
     model: str | None = None  # None: the first model GET /v1/models lists
     tokenizer: str | None = None  # None: the model directory when --model is one, else approximate
     endpoint: str = "completions"
@@ -39,8 +39,8 @@ class BenchConfig:
     def __post_init__(self):
         if not self.target.startswith(("http://", "https://")):
             raise CLIError(f"--target {self.target!r}: expected a URL such as http://127.0.0.1:8000")
-        if self.workload.partition(":")[0] not in WORKLOADS:
-            raise CLIError(f"--workload {self.workload!r}: unknown; choose from {', '.join(sorted(WORKLOADS))}")
+        for spec in self.workloads:
+            workload_class(spec.rpartition("@")[0] if len(self.workloads) > 1 and "@" in spec else spec)
         for spec in self.slos:
             parse_slo(spec)  # raises CLIError on a bad spec
         if self.out.exists() and not self.out.is_dir():
@@ -48,8 +48,8 @@ class BenchConfig:
 
     @staticmethod
     def from_args(args) -> BenchConfig:
-        finite = WORKLOADS.get(args.workload.partition(":")[0]) is not None and \
-            WORKLOADS[args.workload.partition(":")[0]].finite
+        workloads = tuple(args.workload or ["chat"])
+        finite = len(workloads) == 1 and workload_class(workloads[0]).finite
         num_requests = args.num_requests
         if num_requests is None and args.duration is None and not finite:
             num_requests = DEFAULT_NUM_REQUESTS
@@ -75,7 +75,7 @@ class BenchConfig:
         if not isinstance(extra, dict):
             raise CLIError("--extra-body: expected a JSON object")
         return BenchConfig(
-            target=args.target, out=Path(args.out), workload=args.workload, model=args.model,
+            target=args.target, out=Path(args.out), workloads=workloads, model=args.model,
             tokenizer=args.tokenizer, endpoint=args.endpoint, prompt_format=args.prompt_format, load=load,
             sweep=sweep, slos=tuple(args.slo or ()), seed=args.seed, ignore_eos=not args.no_ignore_eos,
             request_timeout_s=args.request_timeout, api_key=args.api_key, extra_body=extra,

@@ -47,6 +47,13 @@ class LoadConfig:
             raise CLIError("--num-requests must be >= 1")
 
 
+    @property
+    def label(self) -> str:
+        if self.mode == "rate":
+            return f"rate={self.rate:.4g}"
+        return f"concurrency={self.concurrency}" if self.mode == "concurrency" else "trace"
+
+
 def schedule(workload: Workload, load: LoadConfig, seed: int) -> Iterator[tuple[float, Session]]:
     """(start time s, session) in start order, cut to num_requests; closed loop: times are 0."""
     sessions: Iterator[Session] = (s for s in workload.sessions() if s.turns)

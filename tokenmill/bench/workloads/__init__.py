@@ -1,6 +1,12 @@
 """Workloads, registered by name: chat, agent, batch, shared-prefix, trace:FILE, mix:NAME=W,..."""
 
 from tokenmill.bench.workloads import agent, batch, chat, mix, shared_prefix, trace  # noqa: F401  (register)
-from tokenmill.bench.workloads.registry import WORKLOADS, Workload, make_workload, register_workload
+from tokenmill.bench.workloads.registry import (
+    WORKLOADS,
+    Workload,
+    make_workload,
+    register_workload,
+    workload_class,
+)
 
-__all__ = ["WORKLOADS", "Workload", "make_workload", "register_workload"]
+__all__ = ["WORKLOADS", "Workload", "make_workload", "register_workload", "workload_class"]

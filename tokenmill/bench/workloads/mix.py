@@ -1,5 +1,6 @@
-"""`mix:chat=0.6,agent=0.3,batch=0.1`: each session is drawn from one of several workloads (their default
-params) with the given weights; every class keeps its own SLO."""
+"""A mix of workloads: each session is drawn from one part with the part's weight; every class keeps its
+own SLO. Two spellings: `mix:chat=0.7,batch=0.3` (parts with default params), or several `--workload`
+flags, `--workload chat:think_s=0@0.7 --workload batch:output=64@0.3` (weights after `@`, default 1)."""
 
 from __future__ import annotations
 
@@ -9,22 +10,24 @@ from functools import cached_property
 import numpy as np
 
 from tokenmill.bench.session import Session
+from tokenmill.bench.tokenizer import PromptVocab
 from tokenmill.bench.workloads.registry import WORKLOADS, Workload, make_workload, register_workload
+from tokenmill.cli import CLIError
 
 
 @dataclass(frozen=True)
 class MixParams:
-    weights: tuple[tuple[str, float], ...]  # (workload name, weight)
+    parts: tuple[tuple[str, float], ...]  # (workload spec, weight)
 
     def __post_init__(self):
-        if not self.weights:
+        if not self.parts:
             raise ValueError("give weights: mix:chat=0.7,batch=0.3")
-        for name, w in self.weights:
-            if name not in WORKLOADS or WORKLOADS[name].finite or name == "mix":
-                raise ValueError(f"{name!r} cannot be mixed; choose from "
-                                 f"{', '.join(n for n, c in WORKLOADS.items() if not c.finite and n != 'mix')}")
+        mixable = [n for n, c in WORKLOADS.items() if not c.finite and n != "mix"]
+        for spec, w in self.parts:
+            if spec.partition(":")[0] not in mixable:
+                raise ValueError(f"{spec!r} cannot be mixed; choose from {', '.join(mixable)}")
             if not w > 0:
-                raise ValueError(f"weight of {name} must be > 0")
+                raise ValueError(f"weight of {spec} must be > 0")
 
 
 @register_workload("mix")
@@ -38,10 +41,25 @@ class Mix(Workload):
         except ValueError as e:
             raise ValueError(f"weights must be numbers ({e})") from None
 
+    @staticmethod
+    def of_specs(specs: list[str], vocab: PromptVocab, seed: int) -> Mix:
+        """Several --workload SPEC[@WEIGHT] flags as one mix."""
+        parts = []
+        for item in specs:
+            spec, at, weight = item.rpartition("@") if "@" in item else (item, "", "1")
+            try:
+                parts.append((spec, float(weight)))
+            except ValueError:
+                raise CLIError(f"--workload {item!r}: the weight after @ must be a number") from None
+        try:
+            return Mix(MixParams(tuple(parts)), vocab, seed)
+        except ValueError as e:
+            raise CLIError(f"--workload: {e}") from None
+
     @cached_property
     def parts(self) -> list[tuple[Workload, float]]:
-        total = sum(w for _, w in self.params.weights)
-        return [(make_workload(name, self.vocab, self.seed), w / total) for name, w in self.params.weights]
+        total = sum(w for _, w in self.params.parts)
+        return [(make_workload(spec, self.vocab, self.seed), w / total) for spec, w in self.params.parts]
 
     @property
     def mean_turns(self) -> float:
@@ -57,5 +75,5 @@ class Mix(Workload):
         return part.session(index)
 
     def describe(self) -> dict:
-        return {"name": self.name, "params": {name: w for name, w in self.params.weights},
+        return {"name": self.name, "params": {spec: w for spec, w in self.params.parts},
                 "parts": [part.describe() for part, _ in self.parts]}

@@ -91,13 +91,18 @@ def check(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def make_workload(spec: str, vocab: PromptVocab, seed: int) -> Workload:
-    """'shared-prefix:groups=4,system=1024' -> a Workload; 'trace:FILE,time_scale=0.5' for the positional."""
-    name, _, body = spec.partition(":")
-    cls = WORKLOADS.get(name.strip())
-    if cls is None:
+def workload_class(spec: str) -> type[Workload]:
+    name = spec.partition(":")[0].strip()
+    if name not in WORKLOADS:
         raise CLIError(f"--workload {spec!r}: unknown workload {name!r}; choose from {', '.join(sorted(WORKLOADS))}"
                        " (trace:FILE, mix:chat=0.7,batch=0.3)")
+    return WORKLOADS[name]
+
+
+def make_workload(spec: str, vocab: PromptVocab, seed: int) -> Workload:
+    """'shared-prefix:groups=4,system=1024' -> a Workload; 'trace:FILE,time_scale=0.5' for the positional."""
+    cls = workload_class(spec)
+    body = spec.partition(":")[2]
     raw: dict[str, str] = {}
     for item in filter(None, (s.strip() for s in body.split(","))):
         key, eq, value = item.partition("=")

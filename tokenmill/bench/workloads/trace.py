@@ -2,8 +2,11 @@
 
 Mooncake JSONL (`timestamp` ms, `input_length`, `output_length`, `hash_ids`): each hash id maps to one
 seeded block of 512 tokens, so prompts are identical exactly where the ids are equal; the last block is
-cut so the prompt has exactly `input_length` tokens. A block's first tokens spell its id in base V (the
-vocabulary size), so different ids differ in their first token and never share more than intended.
+cut so the prompt has exactly `input_length` tokens. A block's first token is its index among the blocks
+that follow the same prefix, so prompts share exactly k*512 tokens when their first k ids are equal, as
+long as no prefix has more than V (vocabulary size) distinct successors; beyond that (e.g. 2,211 distinct
+first blocks in the Mooncake sample vs a 390-word approximate vocabulary) siblings may share the first
+few tokens of a block, never a whole block. `exact_sharing` in the report says which case holds.
 Azure CSV (`TIMESTAMP, ContextTokens, GeneratedTokens`): lengths only; every prompt is unique.
 """
 
@@ -71,13 +74,15 @@ def _read_mooncake(path: str) -> list[TraceRow]:
 
 def _read_azure(path: str) -> list[TraceRow]:
     with open(path, newline="") as f:
-        return [TraceRow(_azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
-                for r in csv.DictReader(f)]
+        rows = list(csv.DictReader(f))
+    times = [_azure_time(r["TIMESTAMP"]) for r in rows]
+    return [TraceRow((t - times[0]).total_seconds(), int(r["ContextTokens"]), int(r["GeneratedTokens"]))
+            for t, r in zip(times, rows)]
 
 
-def _azure_time(stamp: str) -> float:
+def _azure_time(stamp: str) -> datetime:
     whole, _, frac = stamp.strip().partition(".")  # 7 fractional digits: more than %f accepts
-    return datetime.fromisoformat(whole).timestamp() + float("0." + (frac or "0"))
+    return datetime.fromisoformat(f"{whole}.{(frac + '000000')[:6]}")
 
 
 @register_workload("trace")
@@ -97,15 +102,30 @@ class Trace(Workload):
         return (len(self.rows) - 1) / span if span > 0 else float("inf")
 
     @cached_property
-    def _id_digits(self) -> int:
-        top = max((max(r.hash_ids) for r in self.rows if r.hash_ids), default=0)
-        return max(1, math.ceil(math.log(top + 1, self.vocab.size))) if top else 1
+    def _block_codes(self) -> dict[int, tuple[int, int]]:
+        """hash id -> (its index among the blocks that follow the same prefix, digits for that level)."""
+        children: dict[int | None, dict[int, None]] = {}  # parent -> successors in order of appearance
+        for row in self.rows:
+            for parent, h in zip((None, *(row.hash_ids or ())), row.hash_ids or ()):
+                children.setdefault(parent, {})[h] = None
+        codes = {}
+        for siblings in children.values():
+            digits = max(1, math.ceil(math.log(len(siblings), self.vocab.size))) if len(siblings) > 1 else 1
+            codes.update((h, (i, digits)) for i, h in enumerate(siblings))
+        return codes
+
+    @property
+    def exact_sharing(self) -> bool:
+        """Blocks after a common prefix differ in their first token (every fan-out <= vocabulary size)."""
+        return all(digits == 1 for _, digits in self._block_codes.values())
 
     def block(self, hash_id: int) -> np.ndarray:
-        """The 512 tokens of one hash block: its id in base V, then seeded random tokens."""
+        """The 512 tokens of one hash block: its index among its siblings in base V (least significant digit
+        first, so siblings differ in the first token whenever there are at most V of them), then seeded
+        random tokens."""
         tokens = self.vocab.sample(self.rng("block", hash_id), BLOCK_TOKENS)
-        digits = [(hash_id // self.vocab.size**i) % self.vocab.size for i in range(self._id_digits)]
-        tokens[: len(digits)] = self.vocab.ids[digits[::-1]]
+        code, digits = self._block_codes[hash_id]
+        tokens[:digits] = self.vocab.ids[[(code // self.vocab.size**i) % self.vocab.size for i in range(digits)]]
         return tokens
 
     def session(self, index: int) -> Session:
@@ -122,4 +142,5 @@ class Trace(Workload):
 
     def describe(self) -> dict:
         return {**super().describe(), "requests": len(self.rows), "native_rate": self.native_rate,
-                "format": "mooncake" if self.rows[0].hash_ids is not None else "azure"}
+                "format": "mooncake" if self.rows[0].hash_ids is not None else "azure",
+                "exact_sharing": self.exact_sharing if self.rows[0].hash_ids is not None else None}

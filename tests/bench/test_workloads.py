@@ -1,0 +1,110 @@
+"""Workloads plan deterministic sessions with the documented shapes and exact lengths."""
+
+import numpy as np
+import pytest
+
+from tokenmill.bench.tokenizer import approximate_vocab, find_tokenizer, load_vocab
+from tokenmill.bench.workloads import make_workload
+
+SPECS = ["chat", "agent", "batch", "shared-prefix:groups=3,prompts=2", "mix:chat=0.5,agent=0.2,batch=0.3"]
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer_dir):
+    return load_vocab(find_tokenizer(str(tokenizer_dir), None))
+
+
+def digests(workload, n=20):
+    return [[t.digest() for t in workload.session(i).turns] for i in range(n)]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_deterministic_for_a_seed(spec):
+    v = approximate_vocab()
+    a, b, c = make_workload(spec, v, 7), make_workload(spec, v, 7), make_workload(spec, v, 8)
+    assert digests(a) == digests(b)
+    assert digests(a) != digests(c)
+    assert [t.think_s for t in a.session(3).turns] == [t.think_s for t in b.session(3).turns]
+    # session i does not depend on which sessions were planned before it
+    assert [t.digest() for t in make_workload(spec, v, 7).session(15).turns] == digests(a)[15]
+
+
+def test_prompt_lengths_exact_with_tokenizer(vocab):
+    assert vocab.exact and vocab.text_exact
+    tok = vocab._tokenizer
+    small = ["chat", "agent:system=64,repo=256,tool=64,output=32", "batch:prompt=128,output=8",
+             "shared-prefix:groups=3,prompts=2,system=128,question=16"]
+    for spec in small:
+        w = make_workload(spec, vocab, 0)
+        for i in range(3):
+            for turn in w.session(i).turns:
+                text = "".join(vocab.decode(m.tokens) for m in turn.messages)
+                assert tok.encode(text, add_special_tokens=False).ids == turn.flat_tokens().tolist()
+                assert vocab.count(text) == turn.prompt_tokens
+
+
+def is_prefix(a, b):
+    return len(a) <= len(b) and np.array_equal(a, b[: len(a)])
+
+
+def test_chat_turns_resend_the_conversation():
+    w = make_workload("chat:think_s=2", approximate_vocab(), 0)
+    for i in range(10):
+        s = w.session(i)
+        assert s.class_name == "interactive" and 2 <= len(s.turns) <= 3
+        assert s.turns[0].think_s == 0 and all(t.think_s > 0 for t in s.turns[1:])
+        for prev, cur in zip(s.turns, s.turns[1:]):
+            # the next prompt = previous prompt + the planned reply (max_tokens long) + a new question
+            assert cur.messages[: len(prev.messages)] == prev.messages
+            assert cur.messages[len(prev.messages)].role == "assistant"
+            assert len(cur.messages[len(prev.messages)]) == prev.max_tokens
+
+
+def test_agent_context_grows_and_shares_the_system_prompt():
+    w = make_workload("agent:repos=2,max_context=20000", approximate_vocab(), 0)
+    sessions = [w.session(i) for i in range(12)]
+    systems = {m.tokens.tobytes() for s in sessions for m in [s.turns[0].messages[0]]}
+    repos = {s.turns[0].messages[1].tokens.tobytes() for s in sessions}
+    assert len(systems) == 1 and len(repos) == 2
+    for s in sessions:
+        assert s.class_name == "agent" and len(s.turns) >= 1
+        for prev, cur in zip(s.turns, s.turns[1:]):
+            assert is_prefix(prev.flat_tokens(), cur.flat_tokens())
+            assert cur.prompt_tokens > prev.prompt_tokens + prev.max_tokens
+            assert cur.think_s >= 0
+        assert all(t.prompt_tokens + t.max_tokens <= 20000 for t in s.turns)
+    assert max(len(s.turns) for s in sessions) > 4  # multi-turn, long contexts
+    assert max(t.prompt_tokens for s in sessions for t in s.turns) > 8000
+
+
+def test_shared_prefix_groups():
+    g, p = 4, 3
+    w = make_workload(f"shared-prefix:groups={g},prompts={p},system=100,question=10,output=5", approximate_vocab(), 0)
+    first = [w.session(i).turns[0] for i in range(g * p)]
+    systems = {t.messages[0].tokens.tobytes() for t in first}
+    assert len(systems) == g
+    assert len({t.flat_tokens().tobytes() for t in first}) == g * p  # every prompt once per cycle
+    for system in systems:
+        assert sum(t.messages[0].tokens.tobytes() == system for t in first) == p
+    assert all(t.prompt_tokens == 110 and t.max_tokens == 5 for t in first)
+    assert w.session(g * p).turns[0].digest() == w.session(0).turns[0].digest()  # then it cycles
+    groups_in_order = [systems_index for t in first for systems_index in [t.messages[0].tokens.tobytes()]]
+    assert groups_in_order != sorted(groups_in_order, key=groups_in_order.index)  # shuffled, not group by group
+
+
+def test_mix_draws_classes_by_weight():
+    w = make_workload("mix:chat=0.7,batch=0.3", approximate_vocab(), 0)
+    assert w.classes == {"interactive", "batch"}
+    classes = [w.session(i).class_name for i in range(600)]
+    assert classes.count("batch") / 600 == pytest.approx(0.3, abs=0.05)
+    assert w.mean_turns == pytest.approx(0.7 * 2.5 + 0.3 * 1)
+
+
+def test_lengths_have_the_configured_mean():
+    w = make_workload("batch:prompt=300,output=200", approximate_vocab(), 0)
+    turns = [w.session(i).turns[0] for i in range(1500)]
+    assert np.mean([t.prompt_tokens for t in turns]) == pytest.approx(300, rel=0.05)
+    assert np.mean([t.max_tokens for t in turns]) == pytest.approx(200, rel=0.05)
+    fixed = make_workload("batch:prompt=300,output=200,spread=0", approximate_vocab(), 0)
+    assert {(fixed.session(i).turns[0].prompt_tokens, fixed.session(i).turns[0].max_tokens)
+            for i in range(20)} == {(300, 200)}
