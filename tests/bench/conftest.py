@@ -1,11 +1,8 @@
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))  # fake_server
-
-from fake_server import FakeServer, Script  # noqa: E402
+from .fake_server import FakeServer, Script
 
 
 @pytest.fixture

@@ -4,10 +4,11 @@ import socket
 
 import numpy as np
 import pytest
-from fake_server import Script
-from helpers import run_bench
 
 from tokenmill.cli import main
+
+from .fake_server import Script
+from .helpers import run_bench
 
 BATCH = "batch:prompt=16,output=6,spread=0"
 

@@ -1,8 +1,9 @@
 """result.json keeps its documented fields; the plan is deterministic for a seed; plots are written."""
 
 import pytest
-from fake_server import Script
-from helpers import run_bench
+
+from .fake_server import Script
+from .helpers import run_bench
 
 TOP = {"schema_version", "command", "target", "tokenizer", "workload", "seed", "slos", "load", "plan_digest",
        "summary", "classes", "sweep", "warnings"}

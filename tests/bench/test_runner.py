@@ -2,13 +2,13 @@
 
 import asyncio
 
-from fake_server import Script
-
 from tokenmill.bench.client import Client, ClientConfig, Clock
 from tokenmill.bench.progress import Progress
 from tokenmill.bench.runner import LoadConfig, run_load, schedule
 from tokenmill.bench.tokenizer import approximate_vocab
 from tokenmill.bench.workloads import make_workload
+
+from .fake_server import Script
 
 
 def drive(url, spec, load, seed=0):

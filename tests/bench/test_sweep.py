@@ -4,10 +4,11 @@ import asyncio
 import json
 
 import pytest
-from fake_server import Script
-from helpers import run_bench
 
 from tokenmill.bench.sweep import SweepConfig, SweepPoint, find_max_rate
+
+from .fake_server import Script
+from .helpers import run_bench
 
 
 def sweep(knee: float, **cfg):

@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import run_bench
 
 import tokenmill.bench.benchmark  # noqa: F401  (imports are not part of the measurement)
+
+from .helpers import run_bench
 
 N = 600
 
