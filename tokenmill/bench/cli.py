@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     from tokenmill.bench.config import BenchConfig
     from tokenmill.bench.report import write_report
 
-    args.command_line = ["tokenmill", "bench", *sys.argv[2:]] if sys.argv[1:2] == ["bench"] else ["tokenmill", "bench"]
+    # the command as typed when run from a shell; in-process callers (tests) record just the subcommand
+    args.command_line = ["tokenmill", *sys.argv[1:]] if sys.argv[1:2] == ["bench"] else ["tokenmill", "bench"]
     cfg = BenchConfig.from_args(args)
     result = asyncio.run(run_benchmark(cfg))
     write_report(result, cfg.out, plots=cfg.plots)

@@ -124,8 +124,8 @@ def _pct(x: float | None) -> str:
 
 def _class_table(summaries: dict[str, Summary], slos: dict[str, SLO]) -> list[str]:
     lines = [
-        "| class | SLO ttft/tpot ms | sent | done | rejected | failed | attainment | goodput req/s | "
-        "goodput tok/s | tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | ITL p50/p99 ms | e2e p50/p99 ms | cache hit |",
+        "| class | SLO ttft/tpot ms | sent | done | rejected | failed | attainment | goodput req/s | goodput tok/s "
+        "| tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | ITL p50/p99 ms | e2e p50/p99 ms | cache hit |",
         "|" + "---|" * 15,
     ]
     for name, s in summaries.items():
