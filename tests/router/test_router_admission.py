@@ -19,6 +19,7 @@ def decide(workers, cls=INTERACTIVE, chosen=None, now=10.0, arrival=10.0, room=8
 
 
 def busy(url, queued_tokens, **kw):
+    kw.setdefault("outstanding", 1 if queued_tokens else 0)
     return WorkerView(url, prefill_tokens=queued_tokens, ttft_base_s=0.0, prefill_rate_tps=1000.0, **kw)
 
 
@@ -26,6 +27,14 @@ def test_predicted_ttft_is_queued_plus_own_uncached_work_over_rate():
     w = busy("a", 500, cached_prefix_tokens=800)
     r = RouteRequest("r", 0.0, 0.0, 1000)
     assert predicted_ttft_s(w, r) == pytest.approx((500 + 200) / 1000.0)
+
+
+def test_an_idle_worker_is_always_ok_and_a_cold_one_takes_one_probe_at_a_time():
+    huge = decide([busy("a", 0)], prompt_tokens=50000)  # 50 s predicted, but nothing is queued there
+    assert huge.action == "admit"
+    cold = busy("a", 100, rate_samples=0)  # predicted 1.1 s... with a tiny prompt it would fit, but:
+    assert decide([cold], prompt_tokens=10).action == "hold"  # the prior rate is not trusted yet
+    assert decide([busy("a", 100, rate_samples=2)], prompt_tokens=10).action == "admit"
 
 
 def test_admits_the_routing_choice_when_it_meets_the_slo():
@@ -68,7 +77,7 @@ def test_batch_only_fills_idle_capacity():
 
 
 def test_tpot_slo_counts_decode_streams():
-    crowded = WorkerView("a", decode_streams=400, tpot_base_s=0.01, tpot_per_stream_s=0.001)  # TPOT 0.41 s
+    crowded = WorkerView("a", outstanding=400, decode_streams=400, tpot_base_s=0.01, tpot_per_stream_s=0.001)
     assert decide([crowded]).action != "admit"
     assert decide([crowded], cfg=AdmissionConfig(check_tpot=False)).action == "admit"
 
@@ -78,7 +87,7 @@ def test_lagging_admission_misses_a_backlog_it_has_not_observed_yet():
     lagging = AdmissionConfig(mode="lagging")
     assert decide([backlog], cfg=lagging).action == "admit"
     assert decide([backlog]).action == "reject"
-    slow = busy("a", 0, observed_ttft_s=1.5)
+    slow = busy("a", 0, observed_ttft_s=1.5, outstanding=1)
     assert decide([slow], cfg=lagging).reason == "lagging"
     assert decide([busy("a", 0, reported_waiting=50)], cfg=lagging).action != "admit"
 

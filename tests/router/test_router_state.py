@@ -10,7 +10,8 @@ import pytest
 from tokenmill.router.config import RouterConfig, config_from_dict, load_config
 from tokenmill.router.prefix_index import PrefixIndex, PrefixIndexConfig, chunk_hashes
 from tokenmill.router.prompt import TokenEstimator, prompt_key
-from tokenmill.router.rates import LinearFit, RatePriors, WorkerRates
+from tokenmill.router.rates import LinearFit, RatePriors, ServiceRate
+from tokenmill.router.worker_state import WorkerSpec, WorkerState
 from tokenmill.router.worker_metrics import parse_worker_metrics
 from tokenmill.errors import InvalidRequestError
 
@@ -97,12 +98,33 @@ def test_linear_fit_starts_at_the_prior_and_learns_the_truth():
     assert (fit.a, fit.b) == (a, b)
 
 
-def test_linear_fit_stays_sane_when_every_sample_has_the_same_x():
-    rates = WorkerRates(RatePriors())
-    for _ in range(50):
-        rates.ttft.update(1000, 0.5)
-    assert rates.ttft.predict(1000) == pytest.approx(0.5, rel=0.1)
-    assert rates.prefill_rate_tps > 0 and rates.ttft_base_s >= 0
+def test_service_rate_counts_tokens_per_busy_second_not_idle_time():
+    rate = ServiceRate(prior_tps=8192.0, window_s=0.5, alpha=0.5)
+    rate.advance(0.0, busy=False)
+    rate.done(100, now=0.2, busy=True)  # 0.2 s busy: below the window, no sample yet
+    assert (rate.samples, rate.tps) == (0, 8192.0)
+    rate.advance(5.0, busy=False)  # 4.8 s idle: not counted
+    rate.done(200, now=5.4, busy=True)  # 0.6 s busy in all, 300 tokens
+    assert rate.samples == 1 and rate.tps == pytest.approx(500.0)  # the first sample replaces the prior
+    rate.done(1000, now=5.9, busy=True)  # 0.5 s, 1000 tokens: 2000 tps, EWMA with alpha 0.5
+    assert rate.tps == pytest.approx(1250.0)
+
+
+def test_worker_state_learns_its_prefill_rate_from_first_tokens():
+    w = WorkerState(WorkerSpec("http://w:1"), RatePriors(rate_window_s=0.1))
+    a = w.start("a", 300, 0.1, now=0.0)
+    b = w.start("b", 300, 0.2, now=0.0)
+    assert (w.outstanding, w.prefill_tokens) == (2, 600)
+    w.first_token(a, now=0.15)
+    w.first_token(b, now=0.3)  # two windows of 300 tokens in 0.15 busy seconds
+    assert w.rates.prefill_rate_tps == pytest.approx(2000.0)
+    assert (w.prefill_tokens, w.decode_streams) == (0, 2)
+    w.finish(a, now=1.15, output_tokens=11)  # 0.1 s per token
+    c = w.start("c", 100, 0.1, now=1.2)
+    w.finish(c, now=1.3, output_tokens=0)  # failed before its first token: no tokens served
+    view = w.view()
+    assert (view.outstanding, view.prefill_tokens, view.decode_streams) == (1, 0, 1)
+    assert view.rate_samples == 2 and view.tpot_base_s + view.tpot_per_stream_s > 0.01
 
 
 def test_worker_metrics_of_tokenmill_vllm_and_sglang():

@@ -4,7 +4,15 @@
 
     budget_s  = ttft_slo_s - (now - arrival_s)                 what is left of the class's TTFT SLO
               (sheddable classes: min(budget_s, idle_headroom x tightest non-sheddable TTFT SLO))
-    ok(w)     = predicted_ttft_s(w) <= budget_s  and  predicted_tpot_s(w) <= tpot_slo_s
+    ok(w)     = predicted_ttft_s(w) <= min(budget_s, pending_slack_s(w))  and  predicted_tpot_s(w) <= tpot_slo_s
+
+pending_slack_s(w) is the least TTFT budget left among the requests already sent to w whose first token has
+not come: continuous batching serves a new prompt in the same steps as those, so admitting it must not
+push them past their SLO either (admitted requests keep their SLO).
+
+An idle worker (nothing outstanding) is always ok: no queue can be blamed, and refusing it traffic would
+freeze a pessimistic estimate forever. Slow start: until a worker's prefill rate has `warmup_samples` samples, its rate is mostly the prior, so
+ok(w) also needs no prefill pending there (one probe at a time, like TCP slow start).
 
 The routing policy's choice is admitted when ok; else the feasible worker with the least predicted TTFT;
 else the request is held in its class queue until its hold deadline
@@ -32,6 +40,7 @@ class AdmissionConfig:
     mode: str = "leading"
     idle_headroom: float = 0.5  # sheddable classes only use workers predicted under this share of the tightest SLO
     check_tpot: bool = True
+    warmup_samples: int = 2  # slow start: one pending prefill per worker until its rate has this many samples
     lagging_ttft_factor: float = 1.0
     lagging_max_waiting: int = 8
 
@@ -40,6 +49,8 @@ class AdmissionConfig:
             raise ValueError(f"unknown admission mode {self.mode!r}; choose from {', '.join(MODES)}")
         if not 0 < self.idle_headroom <= 1:
             raise ValueError(f"admission idle_headroom must be in (0, 1], got {self.idle_headroom}")
+        if self.warmup_samples < 0:
+            raise ValueError(f"admission warmup_samples must be >= 0, got {self.warmup_samples}")
         if self.lagging_ttft_factor <= 0 or self.lagging_max_waiting < 0:
             raise ValueError("admission lagging thresholds must be positive")
 
@@ -82,7 +93,11 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
             busy = w.reported_waiting is not None and w.reported_waiting > cfg.lagging_max_waiting
             return not (slow or busy)
         tpot_ok = not cfg.check_tpot or predicted_tpot_s(w) <= cls.tpot_slo_s
-        return tpot_ok and predicted_ttft_s(w, r) <= budget
+        if w.outstanding == 0:
+            return True
+        warm = w.rate_samples >= cfg.warmup_samples or w.prefill_tokens == 0
+        limit = budget if w.pending_slack_s is None else min(budget, w.pending_slack_s)
+        return warm and tpot_ok and predicted_ttft_s(w, r) <= limit
 
     if ok(chosen):
         return Admission("admit", chosen.url, predicted_ttft_s(chosen, r))

@@ -65,7 +65,6 @@ class _PoolCollector:
                                                   lambda w: max(0, w.prefill_tokens)),
             "worker_decode_streams": ("Requests past their first token", lambda w: w.decode_streams),
             "worker_prefill_rate_tokens_per_second": ("Learned prefill rate", lambda w: w.rates.prefill_rate_tps),
-            "worker_ttft_base_seconds": ("Learned TTFT of an idle worker", lambda w: w.rates.ttft_base_s),
             "worker_tpot_per_stream_seconds": ("Learned TPOT added per decode stream",
                                                lambda w: w.rates.tpot_per_stream_s),
         }

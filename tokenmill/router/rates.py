@@ -1,13 +1,21 @@
-"""Online estimates of a worker's speed, learned from the latencies the router observes.
+"""Online estimates of a worker's speed, learned from what the router observes.
 
-Two linear models per worker, each fitted by exponentially-forgetting least squares with a prior:
+Prefill: a service rate, not a latency regression. While the worker has prefill pending (router-sent,
+first token not seen) its busy time accumulates; each first token adds that request's uncached prompt
+tokens to the work done. Every `window_s` of busy time gives a sample
 
-    ttft_s ≈ ttft_base_s + work_tokens / prefill_rate_tps      (work = uncached prefill tokens ahead + own)
+    prefill_rate_tps = tokens done / busy seconds          (EWMA, alpha `rate_alpha`; the first sample
+                                                            replaces the prior outright)
+
+This counts what continuous batching really delivers (decode interference and per-step overhead
+included) and does not care in which order the engine serves prefills. It underestimates a lightly
+loaded worker (latency overhead counts as busy time), which only makes admission conservative there.
+
+Decode: a linear model fitted by exponentially-forgetting least squares with a light prior,
+
     tpot_s ≈ tpot_base_s + tpot_per_stream_s * decode_streams
 
-The prior acts as `prior_weight` pseudo-observations that never decay, so the fit is defined from the
-first request on and stays sane when every sample has nearly the same x. `decay` per sample gives an
-effective memory of ~1 / (1 - decay) samples.
+with samples clipped to [prediction / outlier_factor, prediction x outlier_factor] once it has 3.
 """
 
 from __future__ import annotations
@@ -18,39 +26,74 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RatePriors:
-    ttft_base_s: float = 0.02
-    prefill_rate_tps: float = 8192.0  # optimistic on purpose: early traffic is admitted, then learned
+    ttft_base_s: float = 0.02  # fixed overhead added to every TTFT prediction (network, scheduling)
+    prefill_rate_tps: float = 8192.0  # until the first sample; slow start admission covers its error
+    rate_window_s: float = 0.25  # busy seconds per prefill-rate sample
+    rate_alpha: float = 0.3
     tpot_base_s: float = 0.01
     tpot_per_stream_s: float = 0.0005
-    prior_weight: float = 2.0
-    decay: float = 0.9  # per sample; memory ~10 samples
+    prior_weight: float = 0.5
+    decay: float = 0.9  # per TPOT sample; memory ~10 samples
+    outlier_factor: float = 4.0
 
     def __post_init__(self):
         for name in ("ttft_base_s", "tpot_base_s", "tpot_per_stream_s"):
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"rate prior {name} must be finite and >= 0")
-        if not self.prefill_rate_tps > 0:
-            raise ValueError(f"rate prior prefill_rate_tps must be > 0, got {self.prefill_rate_tps}")
-        if self.prior_weight <= 0 or not 0 < self.decay < 1:
-            raise ValueError("rate priors need prior_weight > 0 and decay in (0, 1)")
+        if not self.prefill_rate_tps > 0 or not self.rate_window_s > 0 or not 0 < self.rate_alpha <= 1:
+            raise ValueError("rate priors need prefill_rate_tps > 0, rate_window_s > 0, rate_alpha in (0, 1]")
+        if self.prior_weight <= 0 or not 0 < self.decay < 1 or self.outlier_factor <= 1:
+            raise ValueError("rate priors need prior_weight > 0, decay in (0, 1) and outlier_factor > 1")
+
+
+class ServiceRate:
+    """Prefill tokens per busy second (see the module docstring). All methods take `now`."""
+
+    def __init__(self, prior_tps: float, window_s: float, alpha: float):
+        self.tps = prior_tps
+        self.window_s, self.alpha = window_s, alpha
+        self.samples = 0
+        self._busy_s = 0.0
+        self._tokens = 0.0
+        self._last: float | None = None  # last time the busy clock was advanced while busy
+
+    def advance(self, now: float, busy: bool) -> None:
+        """Call before the pending prefill changes; `busy`: was any prefill pending until now."""
+        if busy and self._last is not None:
+            self._busy_s += max(0.0, now - self._last)
+        self._last = now
+
+    def done(self, tokens: int, now: float, busy: bool) -> None:
+        self.advance(now, busy)
+        self._tokens += tokens
+        if self._busy_s >= self.window_s and self._tokens > 0:
+            sample = self._tokens / self._busy_s
+            self.tps = sample if self.samples == 0 else self.tps + self.alpha * (sample - self.tps)
+            self.samples += 1
+            self._busy_s = self._tokens = 0.0
 
 
 class LinearFit:
     """y ≈ a + b·x by weighted least squares over decayed samples plus a fixed prior (a0, b0)."""
 
-    def __init__(self, a0: float, b0: float, x_scale: float, prior_weight: float, decay: float):
+    def __init__(self, a0: float, b0: float, x_scale: float, prior_weight: float, decay: float,
+                 outlier_factor: float = 4.0):
         # the prior: weight/2 at x=0 (y=a0) and weight/2 at x=x_scale (y=a0+b0*x_scale)
         w = prior_weight / 2
         self._prior = (prior_weight, w * x_scale, w * (2 * a0 + b0 * x_scale), w * x_scale**2,
                        w * x_scale * (a0 + b0 * x_scale))
         self._stats = [0.0, 0.0, 0.0, 0.0, 0.0]  # sum w, w·x, w·y, w·x², w·x·y over decayed samples
         self.decay = decay
+        self.outlier_factor = outlier_factor
         self.samples = 0
         self.a, self.b = a0, b0
 
     def update(self, x: float, y: float) -> None:
         if not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
             return
+        guess = self.predict(x)
+        if guess > 0 and self.samples >= 3:  # until then the prior may be far off: learn from the raw sample
+            y = min(max(y, guess / self.outlier_factor), guess * self.outlier_factor)
         s = self._stats
         for i in range(5):
             s[i] *= self.decay
@@ -77,20 +120,17 @@ class LinearFit:
 
 
 class WorkerRates:
-    """The two fits of one worker, named in the units the router uses."""
+    """A worker's prefill service rate and TPOT model, named in the units the router uses."""
 
     def __init__(self, priors: RatePriors):
-        self.ttft = LinearFit(priors.ttft_base_s, 1.0 / priors.prefill_rate_tps, 1024.0,
-                              priors.prior_weight, priors.decay)
-        self.tpot = LinearFit(priors.tpot_base_s, priors.tpot_per_stream_s, 8.0, priors.prior_weight, priors.decay)
-
-    @property
-    def ttft_base_s(self) -> float:
-        return self.ttft.a
+        p = priors
+        self.ttft_base_s = p.ttft_base_s
+        self.prefill = ServiceRate(p.prefill_rate_tps, p.rate_window_s, p.rate_alpha)
+        self.tpot = LinearFit(p.tpot_base_s, p.tpot_per_stream_s, 8.0, p.prior_weight, p.decay, p.outlier_factor)
 
     @property
     def prefill_rate_tps(self) -> float:
-        return 1.0 / self.ttft.b
+        return self.prefill.tps
 
     @property
     def tpot_base_s(self) -> float:

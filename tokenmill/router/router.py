@@ -123,7 +123,7 @@ class Router:
         for w in self.pool:
             n = self.index.match(w.url, ctx.key.hashes, now) if w.healthy else 0
             chunks[w.url] = n
-            views.append(w.view(self.tokens.hit_tokens(ctx.key, n, ctx.prompt_tokens)))
+            views.append(w.view(self.tokens.hit_tokens(ctx.key, n, ctx.prompt_tokens), now))
         req = RouteRequest(ctx.request_id, now, ctx.arrival_s, ctx.prompt_tokens, ctx.cls.name, ctx.seq,
                            ctx.max_tokens, frozenset(ctx.tried))
         return RouteSnapshot(tuple(views), req), chunks
@@ -184,7 +184,8 @@ class Router:
         w = self.pool.get(adm.worker)
         view = next(v for v in snap.workers if v.url == adm.worker)
         predicted = adm.predicted_ttft_s if adm.predicted_ttft_s is not None else 0.0
-        f = w.start(ctx.request_id, uncached_tokens(view, snap.request), predicted, snap.request.now)
+        f = w.start(ctx.request_id, uncached_tokens(view, snap.request), predicted, snap.request.now,
+                    ctx.arrival_s + ctx.cls.ttft_slo_s)
         f.hit_chunks, f.hit_tokens = chunks.get(w.url, 0), view.cached_prefix_tokens
         ctx.tried.add(w.url)
         self.index.insert(w.url, ctx.key.hashes, snap.request.now)
@@ -223,7 +224,7 @@ class Router:
         """Non-streaming attempts: the prefill is assumed done at its predicted TTFT."""
         w = self.pool.get(f.worker)
         if w is not None and not f.prefill_done:
-            w.end_prefill(f)
+            w.end_prefill(f, self.clock())
             self.pump()
 
     def finish(self, ctx: RequestCtx, f: InFlight, output_tokens: int, usage: dict | None) -> float | None:

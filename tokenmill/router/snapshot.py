@@ -4,7 +4,7 @@ Everything here is frozen and clock-free: the router builds a `RouteSnapshot` fr
 `now`); a simulator builds the same thing from a virtual clock. Units: tokens, seconds.
 
     uncached_w     = max(0, prompt_tokens - cached_prefix_tokens_w)
-    predicted TTFT = ttft_base_s_w + (prefill_tokens_w + uncached_w) / prefill_rate_tps_w
+    predicted TTFT = ttft_calibration_w * (ttft_base_s_w + (prefill_tokens_w + uncached_w) / prefill_rate_tps_w)
     predicted TPOT = tpot_base_s_w + tpot_per_stream_s_w * (decode_streams_w + 1)
 """
 
@@ -23,13 +23,16 @@ class WorkerView:
     prefill_tokens: int = 0  # uncached prompt tokens sent whose first token has not come back
     decode_streams: int = 0  # requests past their first token, not finished
     cached_prefix_tokens: int = 0  # estimated prefix hit of *this* request here (prefix index)
-    ttft_base_s: float = 0.02  # learned: TTFT of an empty worker for a tiny prompt
-    prefill_rate_tps: float = 8192.0  # learned: uncached prompt tokens per second
+    ttft_base_s: float = 0.02  # fixed overhead of every request (config)
+    prefill_rate_tps: float = 8192.0  # learned: uncached prompt tokens per busy second
+    ttft_calibration: float = 1.0  # learned: observed / modelled TTFT (EWMA)
     tpot_base_s: float = 0.01  # learned: TPOT with one stream
     tpot_per_stream_s: float = 0.0005  # learned: TPOT added per concurrent decode stream
+    rate_samples: int = 1000  # prefill-rate samples learned so far (0: the rate is still the prior)
     reported_running: int | None = None  # worker's own gauges (/metrics), when it has them
     reported_waiting: int | None = None
     kv_usage: float | None = None  # 0..1
+    pending_slack_s: float | None = None  # least TTFT budget left among requests whose prefill is pending here
     observed_ttft_s: float | None = None  # EWMA of observed TTFT: a lagging signal
     draining: bool = False  # removed at runtime: finishes what it has, gets nothing new
 
@@ -64,7 +67,7 @@ def uncached_tokens(w: WorkerView, r: RouteRequest) -> int:
 
 
 def predicted_ttft_s(w: WorkerView, r: RouteRequest) -> float:
-    return w.ttft_base_s + (w.prefill_tokens + uncached_tokens(w, r)) / w.prefill_rate_tps
+    return w.ttft_calibration * (w.ttft_base_s + (w.prefill_tokens + uncached_tokens(w, r)) / w.prefill_rate_tps)
 
 
 def predicted_tpot_s(w: WorkerView) -> float:

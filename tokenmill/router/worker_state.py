@@ -6,8 +6,12 @@ Leading indicators are counted here, at the moment the router sends work, not wh
     prefill_tokens  uncached prompt tokens sent whose first token has not come back
     decode_streams  requests past their first token and not finished
 
-At each first token the TTFT fit learns (work ahead incl. own -> observed TTFT); at each finish the TPOT
-fit learns (decode streams -> observed TPOT). All methods take `now`; nothing here reads a clock.
+The TTFT calibration is an EWMA of observed / modelled TTFT (clipped to [0.5, 4]; predictions under 50 ms
+are skipped): what the queue model misses (step granularity, CPU contention, traffic from other clients).
+
+Each change of pending prefill advances the worker's busy clock; each first token adds its uncached
+tokens to the prefill work done (rates.ServiceRate). At each finish the TPOT fit learns (decode streams ->
+observed TPOT). All methods take `now`; nothing here reads a clock.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from tokenmill.router.rates import Ewma, RatePriors, WorkerRates
 from tokenmill.router.snapshot import WorkerView
 
 WORKER_KINDS = ("auto", "tokenmill", "vllm", "sglang", "openai")
+MIN_CALIBRATION, MAX_CALIBRATION = 0.5, 4.0
+CALIBRATE_ABOVE_S = 0.05  # shorter predictions are mostly noise
 
 
 @dataclass(frozen=True)
@@ -49,12 +55,14 @@ class InFlight:
     request_id: str
     worker: str
     uncached_tokens: int
-    work_ahead_tokens: int  # prefill tokens queued there at send time, own included (the TTFT fit's x)
+    work_ahead_tokens: int  # prefill tokens queued there at send time, own included
     predicted_ttft_s: float
     sent_s: float
     first_token_s: float | None = None
     prefill_done: bool = False
     decode_streams_at_first: int = 0
+    ttft_deadline_s: float = float("inf")  # arrival + the class's TTFT SLO
+    calibration_at_send: float = 1.0
     hit_chunks: int = 0  # prefix chunks the index expected cached there (for the correction)
     hit_tokens: int = 0
 
@@ -68,8 +76,10 @@ class WorkerState:
         self.failures = 0  # consecutive failed health checks
         self.rates = WorkerRates(priors)
         self.observed_ttft = Ewma(0.2)
+        self.calibration = Ewma(0.2)  # observed / modelled TTFT
         self.outstanding = 0
         self.prefill_tokens = 0
+        self._pending: dict[int, InFlight] = {}  # attempts whose prefill is pending, by id()
         self.decode_streams = 0
         self.reported_running: int | None = None
         self.reported_waiting: int | None = None
@@ -77,34 +87,47 @@ class WorkerState:
         self.models: list[str] = []
 
     @property
+    def ttft_calibration(self) -> float:
+        return self.calibration.value or 1.0
+
+    @property
     def sends_priority_field(self) -> bool:
         return self.kind == "tokenmill"  # vLLM rejects `priority` unless priority scheduling is on
 
-    def start(self, request_id: str, uncached_tokens: int, predicted_ttft_s: float, now: float) -> InFlight:
+    def start(self, request_id: str, uncached_tokens: int, predicted_ttft_s: float, now: float,
+              ttft_deadline_s: float = float("inf")) -> InFlight:
+        self.rates.prefill.advance(now, busy=self.prefill_tokens > 0)
         self.outstanding += 1
         self.prefill_tokens += uncached_tokens
-        return InFlight(request_id, self.url, uncached_tokens, self.prefill_tokens, predicted_ttft_s, now)
+        f = InFlight(request_id, self.url, uncached_tokens, self.prefill_tokens, predicted_ttft_s, now,
+                     ttft_deadline_s=ttft_deadline_s, calibration_at_send=self.ttft_calibration)
+        self._pending[id(f)] = f
+        return f
 
-    def end_prefill(self, f: InFlight) -> None:
-        """The prompt of `f` is no longer queued prefill (first token seen, or estimated done, or failed)."""
+    def end_prefill(self, f: InFlight, now: float, served: bool = True) -> None:
+        """The prompt of `f` is no longer pending: prefilled (`served`), or its attempt failed."""
         if not f.prefill_done:
             f.prefill_done = True
+            self.rates.prefill.done(f.uncached_tokens if served else 0, now, busy=self.prefill_tokens > 0)
             self.prefill_tokens -= f.uncached_tokens
+            self._pending.pop(id(f), None)
 
     def first_token(self, f: InFlight, now: float) -> float:
         """Record an observed first token; returns the observed TTFT (s)."""
-        self.end_prefill(f)
+        self.end_prefill(f, now)
         f.first_token_s = now
         self.decode_streams += 1
         f.decode_streams_at_first = self.decode_streams
         ttft_s = now - f.sent_s
-        self.rates.ttft.update(f.work_ahead_tokens, ttft_s)
         self.observed_ttft.update(ttft_s)
+        modelled_s = f.predicted_ttft_s / f.calibration_at_send
+        if modelled_s >= CALIBRATE_ABOVE_S:
+            self.calibration.update(min(MAX_CALIBRATION, max(MIN_CALIBRATION, ttft_s / modelled_s)))
         return ttft_s
 
     def finish(self, f: InFlight, now: float, output_tokens: int) -> float | None:
         """The attempt ended (either way); returns the observed TPOT (s) when there is one."""
-        self.end_prefill(f)
+        self.end_prefill(f, now, served=False)
         self.outstanding -= 1
         if f.first_token_s is None:
             return None
@@ -116,15 +139,17 @@ class WorkerState:
         self.rates.tpot.update(streams, tpot_s)
         return tpot_s
 
-    def view(self, cached_prefix_tokens: int = 0) -> WorkerView:
+    def view(self, cached_prefix_tokens: int = 0, now: float | None = None) -> WorkerView:
         r = self.rates
+        deadline = min((f.ttft_deadline_s for f in self._pending.values()), default=None)
+        slack = None if deadline is None or now is None or deadline == float("inf") else deadline - now
         return WorkerView(
             url=self.url, healthy=self.healthy, outstanding=self.outstanding,
             prefill_tokens=max(0, self.prefill_tokens), decode_streams=self.decode_streams,
             cached_prefix_tokens=cached_prefix_tokens, ttft_base_s=r.ttft_base_s, prefill_rate_tps=r.prefill_rate_tps,
-            tpot_base_s=r.tpot_base_s, tpot_per_stream_s=r.tpot_per_stream_s,
+            ttft_calibration=self.ttft_calibration, tpot_base_s=r.tpot_base_s, tpot_per_stream_s=r.tpot_per_stream_s, rate_samples=r.prefill.samples,
             reported_running=self.reported_running, reported_waiting=self.reported_waiting, kv_usage=self.kv_usage,
-            observed_ttft_s=self.observed_ttft.value, draining=self.draining,
+            observed_ttft_s=self.observed_ttft.value, draining=self.draining, pending_slack_s=slack,
         )
 
 
