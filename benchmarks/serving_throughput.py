@@ -1,0 +1,190 @@
+"""HTTP serving throughput vs the offline API on the same workload (target: HTTP >= 90% of offline).
+
+    python benchmarks/serving_throughput.py                       # the shipped demo model
+    python benchmarks/serving_throughput.py --model /tmp/small --num-prompts 64 --max-tokens 64 --stream
+
+Workload: `--num-prompts` prompts cut from the Python standard library (seeded; input lengths uniform in
+[--min-input, --max-input] tokens), greedy, `ignore_eos` so every request generates exactly --max-tokens.
+Offline: `tokenmill.LLM.generate(prompts)` in this process. HTTP: `tokenmill serve` in a subprocess with the
+same engine options, every request sent at once with aiohttp (non-streaming, or SSE with --stream).
+Repeat r uses prompts drawn with seed+r in both modes (no prefix-cache reuse across repeats), the modes
+alternate, and the best repeat of each is reported (the machine may be shared). Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import subprocess
+import sys
+import time
+
+
+def make_prompts(tokenizer, n: int, min_input: int, max_input: int, seed: int) -> list[str]:
+    from tokenmill.model.tokenizer import stdlib_sources
+
+    rng = random.Random(seed)
+    files = stdlib_sources()
+    prompts = []
+    while len(prompts) < n:
+        ids = tokenizer.encode(rng.choice(files).read_text(encoding="utf-8", errors="replace"))
+        want = rng.randint(min_input, max_input)
+        if len(ids) < want + 1:
+            continue
+        start = rng.randrange(0, len(ids) - want)
+        text = tokenizer.decode(ids[start:start + want])
+        if text.strip():
+            prompts.append(text)
+    return prompts
+
+
+def engine_kwargs(args) -> dict:
+    return dict(model=args.model, kv_cache_bytes=args.kv_cache_bytes, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, device=args.device, num_threads=args.num_threads)
+
+
+def engine_flags(args) -> list[str]:
+    flags = ["--model", args.model, "--kv-cache-bytes", str(args.kv_cache_bytes), "--device", args.device,
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--max-num-seqs", str(args.max_num_seqs)]
+    if args.max_model_len:
+        flags += ["--max-model-len", str(args.max_model_len)]
+    if args.num_threads:
+        flags += ["--num-threads", str(args.num_threads)]
+    return flags
+
+
+class Offline:
+    """tokenmill.LLM in this process."""
+
+    def __init__(self, args):
+        from tokenmill import LLM, SamplingParams
+
+        self.llm = LLM(**engine_kwargs(args))
+        self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+        self.llm.generate(["def warmup():", "import sys"], self.params)
+
+    def run(self, prompts: list[str]) -> tuple[float, int, int]:
+        """(wall_s, prompt_tokens, output_tokens)"""
+        t0 = time.perf_counter()
+        results = self.llm.generate(prompts, self.params)
+        wall = time.perf_counter() - t0
+        return (wall, sum(len(r.prompt_token_ids) for r in results),
+                sum(len(r.outputs[0].token_ids) for r in results))
+
+
+async def _http_workload(url: str, model: str, prompts: list[str], max_tokens: int, stream: bool):
+    import aiohttp
+
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+
+    async def one(http, prompt):
+        async with http.post(url + "/v1/completions", json={**body, "prompt": prompt}) as r:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+            if not stream:
+                return (await r.json())["usage"]
+            usage = None
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    usage = json.loads(line[6:]).get("usage") or usage
+            return usage
+
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as http:
+        t0 = time.perf_counter()
+        usages = await asyncio.gather(*(one(http, p) for p in prompts))
+        return time.perf_counter() - t0, usages
+
+
+class Http:
+    """`tokenmill serve` in a subprocess (idle between runs: its engine thread sleeps)."""
+
+    def __init__(self, args):
+        cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", "0", *engine_flags(args)]
+        self.args = args
+        self.server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        line = self.server.stdout.readline()
+        m = re.search(r"model '([^']*)'.* at (http://[\d.]+:\d+)", line)
+        if not m:
+            self.close()
+            raise RuntimeError(f"tokenmill serve did not start: {line}")
+        self.model, self.url = m.group(1), m.group(2)
+        self.run(["def warmup():", "import sys"])
+
+    def run(self, prompts: list[str]) -> tuple[float, int, int]:
+        wall, usages = asyncio.run(_http_workload(self.url, self.model, prompts, self.args.max_tokens,
+                                                  self.args.stream))
+        return wall, sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages)
+
+    def close(self):
+        self.server.terminate()
+        self.server.wait(30)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="demo")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--min-input", type=int, default=32)
+    p.add_argument("--max-input", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stream", action="store_true", help="HTTP requests use SSE streaming")
+    p.add_argument("--kv-cache-bytes", default="1GiB")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads, both modes")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+
+    from tokenmill.model.loader import resolve_model_path
+    from tokenmill.model.tokenizer import Tokenizer
+
+    tok = Tokenizer(resolve_model_path(args.model))
+    workloads = [make_prompts(tok, args.num_prompts, args.min_input, args.max_input, args.seed + r)
+                 for r in range(args.repeats)]
+    off_runner, http_runner = Offline(args), Http(args)
+    offline, http = [], []
+    try:
+        for prompts in workloads:  # alternate, so drifting load on a shared machine hits both modes alike
+            offline.append(off_runner.run(prompts))
+            http.append(http_runner.run(prompts))
+    finally:
+        http_runner.close()
+    best_off, best_http = min(offline), min(http)
+    assert best_off[2] == best_http[2], f"output tokens differ: offline {best_off[2]}, HTTP {best_http[2]}"
+
+    rows = []
+    for name, (wall, ptok, otok) in (("offline (LLM.generate)", best_off),
+                                     (f"HTTP ({'SSE' if args.stream else 'non-streaming'})", best_http)):
+        rows.append({"mode": name, "requests": args.num_prompts, "prompt_tokens": ptok, "output_tokens": otok,
+                     "wall_s": wall, "req_s": args.num_prompts / wall, "output_tok_s": otok / wall,
+                     "total_tok_s": (ptok + otok) / wall})
+    ratio = rows[1]["output_tok_s"] / rows[0]["output_tok_s"]
+    print(f"model {args.model}, {args.num_prompts} prompts x {args.max_tokens} output tokens, "
+          f"input {args.min_input}-{args.max_input} tokens, best of {args.repeats}")
+    print("| mode | requests | prompt tok | output tok | wall s | req/s | output tok/s | total tok/s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['mode']} | {r['requests']} | {r['prompt_tokens']} | {r['output_tokens']} | {r['wall_s']:.2f} | "
+              f"{r['req_s']:.2f} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} |")
+    print(f"\nHTTP / offline throughput: {ratio:.1%} (target >= 90%)")
+    print("all repeats (wall s): offline " + ", ".join(f"{w:.2f}" for w, _, _ in offline)
+          + "; HTTP " + ", ".join(f"{w:.2f}" for w, _, _ in http))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, "ratio": ratio, "offline_walls": [o[0] for o in offline],
+                       "http_walls": [h[0] for h in http]}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
