@@ -48,21 +48,24 @@ def test_reroutes_to_a_feasible_worker_when_the_choice_misses_the_slo():
     assert (a.action, a.worker) == ("admit", "b")
 
 
-def test_holds_when_the_backlog_drains_before_the_hold_deadline():
-    a = decide([busy("a", 300)])  # predicted 1.3 s: 0.3 s over budget, 0.5 s hold window
+def test_holds_while_admitting_would_break_a_pending_requests_slo():
+    w = busy("a", 200, cached_prefix_tokens=500, pending_slack_s=0.5)  # 0.7 s predicted: fits its own 1 s
+    a = decide([w])
     assert a.action == "hold" and a.reason == "slo"
-    assert a.retry_after_s == pytest.approx(0.3)
+    assert decide([busy("a", 200, cached_prefix_tokens=500, pending_slack_s=0.9)]).action == "admit"
 
 
-def test_refuses_at_once_when_no_worker_can_make_the_slo_in_time():
-    a = decide([busy("a", 3000), busy("b", 4000)])
+def test_refuses_at_once_when_no_worker_can_make_the_slo():
+    a = decide([busy("a", 3000), busy("b", 4000)])  # waiting would not help: the budget shrinks as fast
     assert (a.action, a.reason) == ("reject", "slo")
     assert a.retry_after_s == pytest.approx(3.0)
 
 
 def test_full_queue_refuses_and_a_held_request_expires_at_its_deadline():
-    assert decide([busy("a", 300)], room=0).reason == "queue-full"
-    late = decide([busy("a", 100)], now=10.6, arrival=10.0, held=True)  # waited past max_wait_s = 0.5
+    blocked = busy("a", 200, cached_prefix_tokens=500, pending_slack_s=0.1)
+    assert decide([blocked], room=0).reason == "queue-full"
+    assert decide([blocked], now=10.2, arrival=10.0, held=True).action == "hold"
+    late = decide([busy("a", 0, outstanding=1, pending_slack_s=0.0)], now=10.6, arrival=10.0, held=True)
     assert (late.action, late.reason) == ("reject", "deadline")
     in_time = decide([busy("a", 0, cached_prefix_tokens=900)], now=10.4, arrival=10.0, held=True)
     assert in_time.action == "admit"  # 0.1 s predicted + 0.4 s waited <= 1 s

@@ -59,12 +59,17 @@ def test_prefix_load_takes_the_cache_hit_while_it_is_cheaper():
 
 
 def test_prefix_load_leaves_the_cache_when_its_queue_costs_more_than_the_hit_saves():
-    cached = WorkerView("cached", outstanding=2, prefill_tokens=1500, cached_prefix_tokens=900)
+    # a miss costs (1 + κ) x 1000 = 2000 tokens on the cold worker; a hit 200 plus the queue on the cached one
     cold = WorkerView("cold", outstanding=1, prefill_tokens=0)
-    choice = get_policy("prefix-load")(snap(cached, cold), P)
+    stay = WorkerView("cached", outstanding=2, prefill_tokens=1700, cached_prefix_tokens=900)
+    assert get_policy("prefix-load")(snap(stay, cold), P).worker == "cached"
+    leave = WorkerView("cached", outstanding=2, prefill_tokens=1900, cached_prefix_tokens=900)
+    choice = get_policy("prefix-load")(snap(leave, cold), P)
     assert choice.worker == "cold"
     costs = dict(choice.costs)
     assert costs["cold"] < costs["cached"]
+    greedy = dataclasses.replace(P, miss_weight=0.0)  # per-request TTFT only: leaves much earlier
+    assert get_policy("prefix-load")(snap(stay, cold), greedy).worker == "cold"
 
 
 def test_prefix_load_guard_stops_piling_on_a_cached_worker():
@@ -80,7 +85,7 @@ def test_prefix_load_guard_stops_piling_on_a_cached_worker():
 def test_prefix_load_weighs_work_by_each_workers_learned_speed():
     slow = WorkerView("slow", prefill_rate_tps=1000.0)
     fast = WorkerView("fast", prefill_rate_tps=8000.0, prefill_tokens=2000)
-    # slow: 1000 tokens / 1000 tps = 1 s; fast: 3000 tokens / 8000 tps = 0.375 s
+    # slow: 2 x 1000 tokens / 1000 tps = 2 s; fast: (2000 + 2 x 1000) tokens / 8000 tps = 0.5 s
     assert get_policy("prefix-load")(snap(slow, fast), P).worker == "fast"
 
 

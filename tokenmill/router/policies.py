@@ -4,9 +4,13 @@
     least-load    fewest outstanding requests; ties: least queued work (prefill + λ·decode tokens)
     prefix        longest estimated cached prefix; ties (and no hit anywhere): least-load
     prefix-load   (default) least estimated cost among the workers the load guard allows:
-                      cost_w = ttft_base_w + (uncached_w + prefill_tokens_w + λ·decode_streams_w) / prefill_rate_w
+                      cost_w = ttft_base_w + ((1 + κ)·uncached_w + prefill_tokens_w + λ·decode_streams_w) / prefill_rate_w
                   i.e. the uncached prefill after the prefix hit plus the worker's outstanding work, in
-                  seconds of that worker's learned speed. Load guard: a worker is skipped when
+                  seconds of that worker's learned speed. κ (miss_weight) counts a cache miss's prefill a
+                  second time: it is not only this request's wait but work added in front of every request
+                  that queues behind it there (and a stall for the decodes sharing its steps), so a greedy
+                  per-request choice does not trade cache hits for a slightly shorter queue and raise the
+                  total work under load. Load guard: a worker is skipped when
                       outstanding_w - min_outstanding > guard_abs  and  outstanding_w > guard_rel · min_outstanding
                   so a cache hit can never pile more than ~guard_abs requests onto one worker.
 
@@ -25,12 +29,13 @@ from tokenmill.router.snapshot import RouteSnapshot, WorkerView, uncached_tokens
 @dataclass(frozen=True)
 class PolicyParams:
     decode_stream_cost_tokens: float = 32.0  # λ: one running decode stream costs this many prefill tokens
+    miss_weight: float = 1.0  # κ: extra weight on uncached prompt tokens (their cost to other requests)
     guard_abs: int = 4  # load guard: outstanding requests over the least-loaded worker ...
     guard_rel: float = 2.0  # ... and this many times its outstanding requests
 
     def __post_init__(self):
-        if self.decode_stream_cost_tokens < 0:
-            raise ValueError("policy decode_stream_cost_tokens must be >= 0")
+        if self.decode_stream_cost_tokens < 0 or self.miss_weight < 0:
+            raise ValueError("policy decode_stream_cost_tokens and miss_weight must be >= 0")
         if self.guard_abs < 0 or self.guard_rel < 1:
             raise ValueError("policy load guard needs guard_abs >= 0 and guard_rel >= 1")
 
@@ -102,7 +107,7 @@ def prefix(snap: RouteSnapshot, p: PolicyParams) -> RouteChoice:
 
 
 def prefix_load_cost_s(w: WorkerView, snap: RouteSnapshot, p: PolicyParams) -> float:
-    work = uncached_tokens(w, snap.request) + queued_work_tokens(w, p)
+    work = (1 + p.miss_weight) * uncached_tokens(w, snap.request) + queued_work_tokens(w, p)
     return w.ttft_base_s + work / w.prefill_rate_tps
 
 

@@ -1,0 +1,87 @@
+"""Routing policies on a shared-prefix workload over several local tokenmill workers; prints a table.
+
+    python benchmarks/routing_policies.py --rate 3 --duration 40
+    python benchmarks/routing_policies.py --policies prefix-load prefix --sglang-python /tmp/sgr/bin/python
+
+Workload: a skewed shared-prefix mix — a share `--hot` of the sessions use one hot system prompt, the
+rest spread over `--groups` more (`tokenmill bench --workload shared-prefix:groups=1,...@0.7 --workload
+shared-prefix:groups=15,...@0.3`). Each router runs in front of fresh workers (cold caches) with admission
+control off, so only the routing differs. sglang-router's `cache_aware` runs when --sglang-python names
+an interpreter that has `sglang-router` installed (keep it out of tokenmill's environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from routing_common import (bench, check_port_free, make_model, router_estimates, row, sglang_router,  # noqa: E402
+                            table, tokenmill_router, warm_up, worker_counters, workers)
+
+POLICIES = ["round-robin", "least-load", "prefix", "prefix-load"]
+
+
+def workloads(args) -> list[str]:
+    shape = f"system={args.system},question={args.question},output={args.output}"
+    return [f"shared-prefix:groups=1,prompts=256,{shape}@{args.hot}",
+            f"shared-prefix:groups={args.groups},prompts=16,{shape}@{1 - args.hot:g}"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--rate", type=float, default=3.0, help="open-loop requests/s")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of load per router")
+    p.add_argument("--system", type=int, default=768, help="tokens of each shared system prompt")
+    p.add_argument("--question", type=int, default=64)
+    p.add_argument("--output", type=int, default=32)
+    p.add_argument("--hot", type=float, default=0.7, help="share of sessions on the one hot system prompt")
+    p.add_argument("--groups", type=int, default=15, help="other system prompts (the cold tail)")
+    p.add_argument("--kv-cache-size", default="24MiB", help="per worker (12288 tokens: not all 16 prompts)")
+    p.add_argument("--slo", default="interactive:ttft=1000,tpot=100")
+    p.add_argument("--policies", nargs="+", default=POLICIES)
+    p.add_argument("--sglang-python", help="python of a venv with sglang-router installed")
+    p.add_argument("--base-port", type=int, default=18300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="keep bench results and logs here")
+    args = p.parse_args()
+
+    out = args.out or Path(tempfile.mkdtemp(prefix="tokenmill-routing-"))
+    out.mkdir(parents=True, exist_ok=True)
+    model = make_model(Path(tempfile.gettempdir()) / "tokenmill-routing-tiny")
+    router_port = args.base_port + 50
+    for port in [router_port, *range(args.base_port, args.base_port + args.workers)]:
+        check_port_free(port)
+    routers = [(name, "tokenmill") for name in args.policies]
+    if args.sglang_python:
+        routers.append(("sglang-router cache_aware", "sglang"))
+    rows = []
+    for name, kind in routers:
+        run_dir = out / name.replace(" ", "_")
+        run_dir.mkdir(exist_ok=True)
+        with workers(model, args.workers, args.base_port, args.kv_cache_size, run_dir) as urls:
+            warm_up(urls)
+            router = (tokenmill_router(urls, router_port, name, "off", run_dir) if kind == "tokenmill"
+                      else sglang_router(urls, router_port, args.sglang_python, run_dir))
+            with router as target:
+                result = bench(target, run_dir / "bench", model, workloads(args), args.rate, args.duration,
+                               args.slo, args.seed)
+                estimates = router_estimates(target) if kind == "tokenmill" else {}
+            rows.append({**row(name, result, [worker_counters(u) for u in urls]), "router_metrics": estimates})
+        print(f"{name}: goodput {rows[-1]['goodput']:.2f} req/s", file=sys.stderr, flush=True)
+    print(f"{args.workers} tokenmill workers (tiny model, 1 thread, KV {args.kv_cache_size} each), "
+          f"{args.rate:g} req/s Poisson for {args.duration:g}s, shared-prefix system={args.system} "
+          f"question={args.question} output={args.output}, {100 * args.hot:g}% on one hot prefix + {args.groups} "
+          f"more, SLO {args.slo}\n")
+    print(table(rows))
+    (out / "routing_policies.json").write_text(json.dumps(rows, indent=1))
+    print(f"\nresults: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
