@@ -17,6 +17,20 @@ from tokenmill.model.config import ModelConfig
 from tokenmill.model.llama import LlamaModel
 
 
+def _keep_freed_memory() -> None:
+    """glibc returns large freed blocks to the OS and page-faults them back on the next step; keep them.
+    (Each decode step allocates the same activation sizes again: this removes a page-fault storm.)"""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 1 << 30)
+        libc.mallopt(m_trim_threshold, 4 << 30)
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass
 class ModelOutput:
     logits: torch.Tensor  # [sum(num_logits), vocab] fp32
@@ -32,6 +46,11 @@ class ModelRunner:
         self.sliding_window = sliding_window
         shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        if device.type == "cpu":
+            _keep_freed_memory()
+            from tokenmill.model.cpu_kernels import get_kernels
+
+            get_kernels()  # compile (once per machine) before serving, not in the first request
 
     @staticmethod
     def num_blocks_for_bytes(cfg: ModelConfig, kv_cache_bytes: int, block_size: int, dtype: torch.dtype) -> int:
@@ -76,13 +95,7 @@ class ModelRunner:
             width = max(len(t) for t in dec_tables)
             meta.decode_token_idx = self._tensor(dec_idx)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in dec_tables])
-            lens = self._tensor(dec_lens)
-            meta.decode_ctx_lens = lens
-            kpos = torch.arange(width * bs, device=self.device)[None, :]
-            mask = kpos < lens[:, None]
-            if self.sliding_window is not None:
-                mask &= kpos >= (lens[:, None] - self.sliding_window)
-            meta.decode_mask = mask[:, None, None, :]
+            meta.decode_ctx_lens = self._tensor(dec_lens)
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta)
         if not logits_idx:
             return ModelOutput(torch.empty(0, self.cfg.vocab_size), offsets)

@@ -35,8 +35,16 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor | None  # [D] long: flat indices of the q_len == 1 tokens
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] long (padded with 0)
     decode_ctx_lens: torch.Tensor | None  # [D] long
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks*block_size] bool: True = attend
+    decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks*block_size] bool, True = attend (fallback path)
     sliding_window: int | None = None
+
+
+def _cpu_kernels(q: torch.Tensor, cache: torch.Tensor):
+    if q.device.type != "cpu" or q.dtype != torch.float32 or cache.dtype != torch.float32:
+        return None
+    from tokenmill.model.cpu_kernels import get_kernels
+
+    return get_kernels()
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -74,6 +82,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     if meta.decode_token_idx is not None:
         idx = meta.decode_token_idx
         d = idx.shape[0]
+        kernels = _cpu_kernels(q, cache)
+        if kernels is not None:  # K/V read in place from the cache, no padded gather
+            qd = q.index_select(0, idx)  # [D, nh, hd]
+            od = torch.empty_like(qd)
+            kernels.paged_decode_attention(od, qd, cache[0], cache[1], meta.decode_block_tables,
+                                           meta.decode_ctx_lens, scale, meta.sliding_window or 0)
+            out.index_copy_(0, idx, od)
+            return out
+        if meta.decode_mask is None:  # built once per step, shared by all layers
+            kpos = torch.arange(meta.decode_block_tables.shape[1] * bs, device=q.device)[None, :]
+            lens = meta.decode_ctx_lens[:, None]
+            mask = kpos < lens
+            if meta.sliding_window is not None:
+                mask &= kpos >= lens - meta.sliding_window
+            meta.decode_mask = mask[:, None, None, :]
         qd = q.index_select(0, idx).unsqueeze(2)  # [D, nh, 1, hd]
         kd = cache[0][meta.decode_block_tables].view(d, -1, kvh, hd).transpose(1, 2)  # [D, kvh, S, hd]
         vd = cache[1][meta.decode_block_tables].view(d, -1, kvh, hd).transpose(1, 2)

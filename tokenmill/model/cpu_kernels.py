@@ -1,0 +1,43 @@
+"""Optional CPU kernels, compiled on first use with the system C++ compiler (torch cpp_extension).
+
+`paged_decode_attention` reads K/V in place from the paged cache instead of gathering a padded copy;
+the pure-PyTorch path in attention.py is the fallback (and the reference the tests compare against).
+Set TOKENMILL_CPU_KERNELS=0 to disable. Build output is cached under ~/.cache/torch_extensions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("tokenmill.kernels")
+_state: dict = {}
+
+
+def _isa_flags() -> list[str]:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return []
+    return ["-mavx2", "-mfma"] if "avx2" in flags and "fma" in flags else []
+
+
+def get_kernels():
+    """The compiled module, or None when unavailable (no compiler, disabled, build error)."""
+    if "mod" in _state:
+        return _state["mod"]
+    _state["mod"] = None
+    if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        isa = _isa_flags()
+        name = "tokenmill_cpu_kernels_v1" + ("_avx2" if isa else "")
+        src = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+        _state["mod"] = load(name=name, sources=[str(src)], extra_cflags=["-O3", "-fopenmp", *isa],
+                             extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build problem means: use the PyTorch path
+        log.warning("CPU kernels unavailable (%s: %s); using the PyTorch attention path", type(e).__name__, e)
+    return _state["mod"]
