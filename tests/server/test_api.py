@@ -6,7 +6,6 @@ import asyncio
 import time
 
 import openai
-import pytest
 
 
 def client(server, **kw):
@@ -170,3 +169,13 @@ def test_event_loop_not_blocked_by_compute(make_server):
         return health_s
 
     assert asyncio.run(main()) < 0.2
+
+
+def test_state_endpoint(fake_server):
+    fake_server.post("/v1/completions", {"prompt": "x", "max_tokens": 3})
+    st = fake_server.state()
+    assert st["model"] == "fake" and st["max_model_len"] == 256 and st["kv_capacity_tokens"] == 2048
+    assert st["num_pending"] == 0 and st["num_in_flight"] == 0 and st["engine_errors"] == 0
+    assert st["engine_step_seconds"] > 0
+    s = st["stats"]
+    assert s["generation_tokens_total"] == 3 and s["kv_blocks_total"] == 512 and 0 <= s["kv_usage"] <= 1

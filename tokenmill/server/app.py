@@ -76,7 +76,7 @@ class OpenAIServer:
             priority = parse_priority_header(request.headers.get("x-tokenmill-priority")) or 0
         rid = f"{'cmpl' if req.kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         try:
-            stream = await self.engine.add(rid, ids, params, priority)
+            stream = await self.engine.add(rid, ids, params, priority, collect=not req.stream)
         except InvalidRequestError as e:
             raise from_invalid(e) from None
         except EngineOverloadedError as e:
@@ -235,7 +235,8 @@ class OpenAIServer:
         return web.json_response({
             "model": self.model_names[0], "max_model_len": self.engine.max_model_len,
             "kv_capacity_tokens": self.kv_capacity_tokens, "num_pending": self.engine.num_pending(),
-            "num_in_flight": self.engine.num_in_flight(), "engine_errors": self.engine.error_count, "stats": stats,
+            "num_in_flight": self.engine.num_in_flight(), "engine_errors": self.engine.error_count,
+            "engine_step_seconds": self.engine.step_seconds, "stats": stats,
         })
 
     # -- middlewares ------------------------------------------------------------------------------

@@ -5,8 +5,12 @@
 
 The engine is touched by the engine thread only. Commands go in through a deque guarded by a condition
 (the thread sleeps on it when idle: no busy spin); outputs come back through `loop.call_soon_threadsafe`,
-one call per step. Latencies (TTFT, inter-token, end-to-end) are measured here, on the loop, as the
-client would see them; the engine itself has no clock.
+at most one call per step, and only when a streaming request progressed or a request finished: a
+non-streaming request costs the event loop nothing until it is done (every thread hand-off of the GIL
+costs the engine time on a loaded machine).
+
+Latencies (TTFT, inter-token, end-to-end) are measured in the engine thread right after each step, from
+the request's arrival at the server; the engine itself has no clock.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from tokenmill.engine.outputs import EngineStats, RequestOutput
+from tokenmill.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.errors import EngineOverloadedError
 
@@ -26,24 +30,11 @@ log = logging.getLogger("tokenmill.server")
 
 
 class EngineError(Exception):
-    """The engine failed this request (step() raised, or the request finished with reason "error")."""
-
-
-@dataclass
-class _Track:
-    """Loop-side state of one request."""
-
-    stream: "RequestStream"
-    arrival: float  # perf_counter seconds
-    max_tokens: int
-    num_prompt_tokens: int
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    num_generated: int = 0
+    """The engine failed this request (step() raised, or the server is shutting down)."""
 
 
 class RequestStream:
-    """The outputs of one request, in order: `async for out in stream`. Raises EngineError on failure."""
+    """The outputs of one request, in order. Raises EngineError on failure."""
 
     def __init__(self, request_id: str):
         self.request_id = request_id
@@ -88,11 +79,26 @@ class RequestStream:
 
 
 @dataclass
+class _Track:
+    """Engine-thread state of one request: timing for the metrics, logprobs of a collected request."""
+
+    arrival: float  # perf_counter seconds, when the server received it
+    max_tokens: int
+    num_prompt_tokens: int
+    collect: bool  # deliver only the final output, carrying every token's logprobs
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_generated: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    track: _Track
     future: asyncio.Future
 
 
@@ -115,19 +121,20 @@ class AsyncEngine:
 
     def __init__(self, engine, metrics=None, max_pending: int = 4096):
         self.engine = engine
-        self.metrics = metrics  # ServerMetrics or None
+        self.metrics = metrics  # ServerMetrics or None; thread-safe (prometheus_client)
         self.max_pending = max_pending  # adds queued for the engine thread at most (beyond: overloaded)
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.tokenizer = engine.tokenizer
         self._shared = _Shared()
-        self._tracks: dict[str, _Track] = {}  # loop side: requests in flight
+        self._streams: dict[str, RequestStream] = {}  # loop side: requests in flight
         self._pending_adds = 0  # loop side: adds not yet applied by the engine thread
+        self._live: dict[str, _Track] = {}  # engine thread side: requests added and not finished
         self._stats: EngineStats | None = None  # written by the engine thread, read anywhere (atomic swap)
-        self._live: set[str] = set()  # engine thread side: requests added and not finished
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error_count = 0
+        self.step_seconds = 0.0  # engine thread: wall time inside engine.step(), cumulative
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -142,8 +149,7 @@ class AsyncEngine:
             self._shared.cond.notify()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
-        for rid in list(self._tracks):
-            self._finish_track(rid, "abort", EngineError("the server is shutting down"))
+        self._fail(list(self._streams), "the server is shutting down")
 
     @property
     def alive(self) -> bool:
@@ -151,37 +157,37 @@ class AsyncEngine:
 
     # -- loop side --------------------------------------------------------------------------------
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  priority: int = 0) -> RequestStream:
+                  priority: int = 0, collect: bool = False) -> RequestStream:
         """Hand a request to the engine. Raises InvalidRequestError / EngineOverloadedError from add_request;
-        cancelling the caller while it waits aborts the request."""
+        cancelling the caller while it waits aborts the request. With `collect`, the stream yields only the
+        final output (new_text: the whole text; new_logprobs: every token's)."""
         if self._pending_adds >= self.max_pending:
             raise EngineOverloadedError(f"{self._pending_adds} requests are already queued; retry later")
-        stream = RequestStream(request_id)
-        self._tracks[request_id] = _Track(stream, time.perf_counter(), params.max_tokens, len(prompt_token_ids))
+        stream = self._streams[request_id] = RequestStream(request_id)
+        track = _Track(time.perf_counter(), params.max_tokens, len(prompt_token_ids), collect)
         future = self._loop.create_future()
         self._pending_adds += 1
-        self._send(_Add(request_id, prompt_token_ids, params, priority, future))
+        self._send(_Add(request_id, prompt_token_ids, params, priority, track, future))
         try:
             await future
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
         except BaseException:
-            self._tracks.pop(request_id, None)
+            self._streams.pop(request_id, None)
             raise
         return stream
 
     def abort(self, request_id: str) -> None:
         """Abort a request in flight (client gone): its KV blocks are freed before the next step."""
-        if request_id in self._tracks:
-            self._finish_track(request_id, "abort", None)
+        if self._streams.pop(request_id, None) is not None:
             self._send(_Abort(request_id))
 
     def num_pending(self) -> int:
         return self._pending_adds
 
     def num_in_flight(self) -> int:
-        return len(self._tracks)
+        return len(self._streams)
 
     def stats(self) -> EngineStats | None:
         return self._stats
@@ -201,41 +207,19 @@ class AsyncEngine:
             future.set_exception(error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        now = time.perf_counter()
         for out in outputs:
-            track = self._tracks.get(out.request_id)
-            if track is None:  # aborted by the client meanwhile
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted by the client meanwhile
                 continue
-            n = len(out.new_token_ids)
-            if n:
-                if track.first_token_at is None:
-                    track.first_token_at = now
-                    if self.metrics:
-                        self.metrics.observe_first_token(now - track.arrival)
-                elif self.metrics:
-                    self.metrics.observe_token_gap((now - track.last_token_at) / n)
-                track.last_token_at = now
-                track.num_generated += n
-            track.stream._put(out)
+            stream._put(out)
             if out.finished:
-                self._finish_track(out.request_id, out.finish_reason or "stop", None, now)
+                del self._streams[out.request_id]
 
     def _fail(self, request_ids: list[str], message: str) -> None:
         for rid in request_ids:
-            self._finish_track(rid, "error", EngineError(message))
-
-    def _finish_track(self, request_id: str, reason: str, error: BaseException | None,
-                      now: float | None = None) -> None:
-        track = self._tracks.pop(request_id, None)
-        if track is None:
-            return
-        if error is not None:
-            track.stream._put(error)
-        if self.metrics:
-            now = now or time.perf_counter()
-            decode_s = now - track.first_token_at if track.first_token_at is not None else None
-            self.metrics.observe_finished(reason, now - track.arrival, track.num_prompt_tokens,
-                                          track.num_generated, track.max_tokens, decode_s)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._put(EngineError(message))
 
     # -- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -258,44 +242,80 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001 - keep the thread alive; _step handles step() itself
                 log.exception("engine thread: unexpected error")
                 busy = False
-        self._abort_all()
+        self._abort_all("abort")
 
     def _apply(self, cmd) -> None:
         if isinstance(cmd, _Abort):
             if cmd.request_id in self._live:
-                self._live.discard(cmd.request_id)
                 self.engine.abort_request(cmd.request_id)
+                self._finished(cmd.request_id, "abort", time.perf_counter())
             return
         error = None
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority)
-            self._live.add(cmd.request_id)
+            self._live[cmd.request_id] = cmd.track
         except Exception as e:  # noqa: BLE001 - InvalidRequestError / EngineOverloadedError / anything: to caller
             error = e
         self._loop.call_soon_threadsafe(self._add_done, cmd.future, error)
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
             log.exception("engine.step() failed; failing %d request(s) in flight", len(self._live))
             self.error_count += 1
-            failed = list(self._live)
-            self._abort_all()
+            failed = self._abort_all("error")
             self._loop.call_soon_threadsafe(self._fail, failed, f"engine error: {type(e).__name__}: {e}")
             if self.metrics:
                 self.metrics.engine_errors.inc()
             return
+        finally:
+            now = time.perf_counter()
+            self.step_seconds += now - t0
+        deliver = []
         for out in outputs:
+            track = self._live.get(out.request_id)
+            if track is None:
+                continue
+            self._observe_tokens(track, len(out.new_token_ids), now)
+            if not track.collect:
+                deliver.append(out)
+            elif out.new_logprobs:
+                track.logprobs.extend(out.new_logprobs)
             if out.finished:
-                self._live.discard(out.request_id)
-        if outputs:
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
+                if track.collect:
+                    deliver.append(replace(out, new_text=out.text, new_logprobs=track.logprobs or None))
+                self._finished(out.request_id, out.finish_reason or "stop", now)
+        if deliver:
+            self._loop.call_soon_threadsafe(self._deliver, deliver)
 
-    def _abort_all(self) -> None:
-        for rid in list(self._live):
+    def _observe_tokens(self, track: _Track, n: int, now: float) -> None:
+        if not n:
+            return
+        if track.first_token_at is None:
+            track.first_token_at = now
+            if self.metrics:
+                self.metrics.observe_first_token(now - track.arrival)
+        elif self.metrics:
+            self.metrics.observe_token_gap((now - track.last_token_at) / n)
+        track.last_token_at = now
+        track.num_generated += n
+
+    def _finished(self, request_id: str, reason: str, now: float) -> None:
+        track = self._live.pop(request_id)
+        if self.metrics:
+            decode_s = now - track.first_token_at if track.first_token_at is not None else None
+            self.metrics.observe_finished(reason, now - track.arrival, track.num_prompt_tokens,
+                                          track.num_generated, track.max_tokens, decode_s)
+
+    def _abort_all(self, reason: str) -> list[str]:
+        rids = list(self._live)
+        now = time.perf_counter()
+        for rid in rids:
             try:
                 self.engine.abort_request(rid)
             except Exception:  # noqa: BLE001 - best effort after a failure
                 log.exception("abort_request(%s) failed", rid)
-        self._live.clear()
+            self._finished(rid, reason, now)
+        return rids
