@@ -28,7 +28,7 @@ POLICIES = ["round-robin", "least-load", "prefix", "prefix-load"]
 def workloads(args) -> list[str]:
     shape = f"system={args.system},question={args.question},output={args.output}"
     return [f"shared-prefix:groups=1,prompts=256,{shape}@{args.hot}",
-            f"shared-prefix:groups={args.groups},prompts=16,{shape}@{1 - args.hot:g}"]
+            f"shared-prefix:groups={args.groups},prompts=64,{shape}@{1 - args.hot:g}"]
 
 
 def main() -> int:
@@ -39,9 +39,9 @@ def main() -> int:
     p.add_argument("--system", type=int, default=768, help="tokens of each shared system prompt")
     p.add_argument("--question", type=int, default=64)
     p.add_argument("--output", type=int, default=32)
-    p.add_argument("--hot", type=float, default=0.7, help="share of sessions on the one hot system prompt")
-    p.add_argument("--groups", type=int, default=15, help="other system prompts (the cold tail)")
-    p.add_argument("--kv-cache-size", default="24MiB", help="per worker (12288 tokens: not all 16 prompts)")
+    p.add_argument("--hot", type=float, default=0.5, help="share of sessions on the one hot system prompt")
+    p.add_argument("--groups", type=int, default=5, help="other system prompts")
+    p.add_argument("--kv-cache-size", default="8MiB", help="per worker: 4096 tokens, not all 6 system prompts")
     p.add_argument("--slo", default="interactive:ttft=1000,tpot=100")
     p.add_argument("--policies", nargs="+", default=POLICIES)
     p.add_argument("--sglang-python", help="python of a venv with sglang-router installed")

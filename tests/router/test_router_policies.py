@@ -95,3 +95,11 @@ def test_policies_are_pure_and_snapshots_frozen():
         assert policy(s, P) == policy(s, P), name
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.workers[0].outstanding = 3
+
+
+def test_prefix_load_counts_output_tokens_still_to_come_at_the_learned_decode_rate():
+    cached = WorkerView("cached", outstanding=3, decode_tokens=3000, decode_rate_tps=500.0, cached_prefix_tokens=900)
+    cold = WorkerView("cold", outstanding=3, decode_tokens=300, decode_rate_tps=500.0)
+    # cached: 6 s of decode queued; cold: 0.6 s + a miss of 2 x 1000 tokens at 8192 tok/s
+    assert get_policy("prefix-load")(snap(cached, cold), P).worker == "cold"
+    assert get_policy("least-load")(snap(cached, cold), P).worker == "cold"  # same count: less work wins

@@ -203,8 +203,8 @@ def test_leading_admission_refuses_fast_and_accepted_requests_keep_their_slo():
             results = await asyncio.gather(*(one(i) for i in range(12)))
             ok = [t for st, t, _ in results if st == 200]
             refused = [(t, ra) for st, t, ra in results if st == 429]
-            assert len(ok) + len(refused) == 12 and ok and refused
-            assert max(ok) <= 0.5 + 0.15  # accepted requests meet the TTFT SLO (+ scheduling slack)
+            assert len(ok) + len(refused) == 12 and 2 <= len(ok) <= 4, results  # ~one 0.4 s prefill per worker
+            assert max(ok) <= 0.5 + 0.4  # accepted requests keep the TTFT SLO (+ slack for a loaded machine)
             assert max(t for t, _ in refused) < 0.35 and all(int(ra) >= 1 for _, ra in refused)
             text = router.metrics.render().decode()
             assert 'tokenmill_router_rejections_total{class="interactive",reason=' in text
@@ -223,4 +223,30 @@ def test_off_admission_accepts_everything_and_misses_the_slo():
                                              for i in range(4)))
             assert [r[0] for r in results] == [200] * 4
             assert time.monotonic() - t0 > 1.5  # 4 x 0.4 s of prefill queued on one worker
+    run(main())
+
+
+def test_api_keys_pick_the_class_and_batch_waits_for_idle_capacity():
+    from tokenmill.router.rates import RatePriors
+
+    async def main():
+        fake = FakeWorker(prefill_tps=500.0)
+        async with routed([fake], api_keys=(("sk-batch", "batch"),),
+                          rate_priors=RatePriors(ttft_base_s=0.0, prefill_rate_tps=500.0),
+                          admission=AdmissionConfig(warmup_samples=0)) as (url, router), \
+                aiohttp.ClientSession() as s:
+            batch = {"Authorization": "Bearer sk-batch"}
+            # an interactive request keeps the worker busy for ~0.6 s of prefill (300 tokens at 500 tok/s)
+            busy = asyncio.create_task(post(s, url, {"prompt": "i" * 1200, "max_tokens": 1}))
+            await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            status, _, _ = await post(s, url, {"prompt": "b" * 400, "max_tokens": 1}, batch)
+            assert status == 200 and (await busy)[0] == 200
+            # batch only takes a worker predicted under 0.5 x interactive's 1 s TTFT SLO: the router held it
+            held_s = router.metrics.queue_wait.labels("batch")._sum.get()
+            assert 0.3 <= held_s <= time.monotonic() - t0, held_s
+            sent = {r["headers"].get("x-tokenmill-priority") for r in fake.requests}
+            assert sent == {"0", "2"} and fake.requests[-1]["body"]["priority"] == 2
+            text = router.metrics.render().decode()
+            assert 'tokenmill_router_queue_wait_seconds_count{class="batch"} 1.0' in text
     run(main())

@@ -64,7 +64,9 @@ class _PoolCollector:
             "worker_outstanding_prefill_tokens": ("Uncached prompt tokens sent, first token not seen",
                                                   lambda w: max(0, w.prefill_tokens)),
             "worker_decode_streams": ("Requests past their first token", lambda w: w.decode_streams),
+            "worker_outstanding_decode_tokens": ("Output tokens still to come", lambda w: max(0, w.decode_tokens)),
             "worker_prefill_rate_tokens_per_second": ("Learned prefill rate", lambda w: w.rates.prefill_rate_tps),
+            "worker_decode_rate_tokens_per_second": ("Learned decode rate", lambda w: w.rates.decode_rate_tps),
             "worker_tpot_per_stream_seconds": ("Learned TPOT added per decode stream",
                                                lambda w: w.rates.tpot_per_stream_s),
         }

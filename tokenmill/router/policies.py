@@ -1,12 +1,13 @@
 """Routing policies: pure functions (RouteSnapshot, PolicyParams) -> RouteChoice. No I/O, no clock.
 
     round-robin   the (seq mod n)-th routable worker
-    least-load    fewest outstanding requests; ties: least queued work (prefill + λ·decode tokens)
+    least-load    fewest outstanding requests; ties: least outstanding work (seconds, below)
     prefix        longest estimated cached prefix; ties (and no hit anywhere): least-load
     prefix-load   (default) least estimated cost among the workers the load guard allows:
-                      cost_w = ttft_base_w + ((1 + κ)·uncached_w + prefill_tokens_w + λ·decode_streams_w) / prefill_rate_w
-                  i.e. the uncached prefill after the prefix hit plus the worker's outstanding work, in
-                  seconds of that worker's learned speed. κ (miss_weight) counts a cache miss's prefill a
+                      cost_w = ttft_base_w + (1 + κ)·uncached_w / prefill_rate_w + outstanding_work_w
+                      outstanding_work_w = prefill_tokens_w / prefill_rate_w + decode_tokens_w / decode_rate_w
+                  i.e. the uncached prefill after the prefix hit plus the worker's outstanding work (prefill
+                  queued and output tokens still to generate), in seconds of that worker's learned rates. κ (miss_weight) counts a cache miss's prefill a
                   second time: it is not only this request's wait but work added in front of every request
                   that queues behind it there (and a stall for the decodes sharing its steps), so a greedy
                   per-request choice does not trade cache hits for a slightly shorter queue and raise the
@@ -23,19 +24,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from tokenmill.router.snapshot import RouteSnapshot, WorkerView, uncached_tokens
+from tokenmill.router.snapshot import RouteSnapshot, WorkerView, outstanding_work_s, uncached_tokens
 
 
 @dataclass(frozen=True)
 class PolicyParams:
-    decode_stream_cost_tokens: float = 32.0  # λ: one running decode stream costs this many prefill tokens
     miss_weight: float = 1.0  # κ: extra weight on uncached prompt tokens (their cost to other requests)
     guard_abs: int = 4  # load guard: outstanding requests over the least-loaded worker ...
     guard_rel: float = 2.0  # ... and this many times its outstanding requests
 
     def __post_init__(self):
-        if self.decode_stream_cost_tokens < 0 or self.miss_weight < 0:
-            raise ValueError("policy decode_stream_cost_tokens and miss_weight must be >= 0")
+        if self.miss_weight < 0:
+            raise ValueError(f"policy miss_weight must be >= 0, got {self.miss_weight}")
         if self.guard_abs < 0 or self.guard_rel < 1:
             raise ValueError("policy load guard needs guard_abs >= 0 and guard_rel >= 1")
 
@@ -68,12 +68,8 @@ def get_policy(name: str) -> Policy:
         raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(sorted(POLICIES))}") from None
 
 
-def queued_work_tokens(w: WorkerView, p: PolicyParams) -> float:
-    return w.prefill_tokens + p.decode_stream_cost_tokens * w.decode_streams
-
-
 def _load_key(w: WorkerView, p: PolicyParams) -> tuple:
-    return (w.outstanding, queued_work_tokens(w, p), w.url)
+    return (w.outstanding, outstanding_work_s(w), w.url)
 
 
 NO_WORKER = RouteChoice(None, "no-worker")
@@ -107,8 +103,8 @@ def prefix(snap: RouteSnapshot, p: PolicyParams) -> RouteChoice:
 
 
 def prefix_load_cost_s(w: WorkerView, snap: RouteSnapshot, p: PolicyParams) -> float:
-    work = (1 + p.miss_weight) * uncached_tokens(w, snap.request) + queued_work_tokens(w, p)
-    return w.ttft_base_s + work / w.prefill_rate_tps
+    miss_s = (1 + p.miss_weight) * uncached_tokens(w, snap.request) / w.prefill_rate_tps
+    return w.ttft_base_s + miss_s + outstanding_work_s(w)
 
 
 def load_guard(workers: tuple[WorkerView, ...], p: PolicyParams) -> tuple[WorkerView, ...]:

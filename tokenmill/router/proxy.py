@@ -229,7 +229,9 @@ async def _relay_stream(router: Router, ctx: RequestCtx, f: InFlight, up: aiohtt
                 tokens += 1
                 resp = await _open_stream(request, buffered)
             continue
-        tokens += _has_token(event)
+        if _has_token(event):
+            tokens += 1
+            router.output_tokens(f)
         try:
             await resp.write(chunk)
         except (ConnectionError, RuntimeError):

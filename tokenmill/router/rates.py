@@ -10,6 +10,8 @@ tokens to the work done. Every `window_s` of busy time gives a sample
 This counts what continuous batching really delivers (decode interference and per-step overhead
 included) and does not care in which order the engine serves prefills. It underestimates a lightly
 loaded worker (latency overhead counts as busy time), which only makes admission conservative there.
+The decode rate is the same kind of estimate: output tokens streamed per second while any stream of the
+worker is decoding.
 
 Decode: a linear model fitted by exponentially-forgetting least squares with a light prior,
 
@@ -28,7 +30,8 @@ from dataclasses import dataclass
 class RatePriors:
     ttft_base_s: float = 0.02  # fixed overhead added to every TTFT prediction (network, scheduling)
     prefill_rate_tps: float = 8192.0  # until the first sample; slow start admission covers its error
-    rate_window_s: float = 0.25  # busy seconds per prefill-rate sample
+    decode_rate_tps: float = 512.0  # output tokens per second while streams decode, until the first sample
+    rate_window_s: float = 0.25  # busy seconds per rate sample
     rate_alpha: float = 0.3
     tpot_base_s: float = 0.01
     tpot_per_stream_s: float = 0.0005
@@ -40,7 +43,7 @@ class RatePriors:
         for name in ("ttft_base_s", "tpot_base_s", "tpot_per_stream_s"):
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"rate prior {name} must be finite and >= 0")
-        if not self.prefill_rate_tps > 0 or not self.rate_window_s > 0 or not 0 < self.rate_alpha <= 1:
+        if not self.prefill_rate_tps > 0 or not self.decode_rate_tps > 0 or not self.rate_window_s > 0 or not 0 < self.rate_alpha <= 1:
             raise ValueError("rate priors need prefill_rate_tps > 0, rate_window_s > 0, rate_alpha in (0, 1]")
         if self.prior_weight <= 0 or not 0 < self.decay < 1 or self.outlier_factor <= 1:
             raise ValueError("rate priors need prior_weight > 0, decay in (0, 1) and outlier_factor > 1")
@@ -126,11 +129,16 @@ class WorkerRates:
         p = priors
         self.ttft_base_s = p.ttft_base_s
         self.prefill = ServiceRate(p.prefill_rate_tps, p.rate_window_s, p.rate_alpha)
+        self.decode = ServiceRate(p.decode_rate_tps, p.rate_window_s, p.rate_alpha)
         self.tpot = LinearFit(p.tpot_base_s, p.tpot_per_stream_s, 8.0, p.prior_weight, p.decay, p.outlier_factor)
 
     @property
     def prefill_rate_tps(self) -> float:
         return self.prefill.tps
+
+    @property
+    def decode_rate_tps(self) -> float:
+        return self.decode.tps
 
     @property
     def tpot_base_s(self) -> float:

@@ -185,7 +185,7 @@ class Router:
         view = next(v for v in snap.workers if v.url == adm.worker)
         predicted = adm.predicted_ttft_s if adm.predicted_ttft_s is not None else 0.0
         f = w.start(ctx.request_id, uncached_tokens(view, snap.request), predicted, snap.request.now,
-                    ctx.arrival_s + ctx.cls.ttft_slo_s)
+                    ctx.arrival_s + ctx.cls.ttft_slo_s, ctx.max_tokens)
         f.hit_chunks, f.hit_tokens = chunks.get(w.url, 0), view.cached_prefix_tokens
         ctx.tried.add(w.url)
         self.index.insert(w.url, ctx.key.hashes, snap.request.now)
@@ -219,6 +219,12 @@ class Router:
         self.metrics.observed_ttft.labels(f.worker).observe(ttft_s)
         self.metrics.ttft_error.labels(f.worker).observe(abs(ttft_s - f.predicted_ttft_s))
         self.pump()
+
+    def output_tokens(self, f: InFlight, n: int = 1) -> None:
+        """Output tokens after the first streamed back: less decode work outstanding there."""
+        w = self.pool.get(f.worker)
+        if w is not None:
+            w.tokens(f, n, self.clock())
 
     def end_prefill(self, f: InFlight) -> None:
         """Non-streaming attempts: the prefill is assumed done at its predicted TTFT."""

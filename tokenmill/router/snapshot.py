@@ -6,6 +6,7 @@ Everything here is frozen and clock-free: the router builds a `RouteSnapshot` fr
     uncached_w     = max(0, prompt_tokens - cached_prefix_tokens_w)
     predicted TTFT = ttft_calibration_w * (ttft_base_s_w + (prefill_tokens_w + uncached_w) / prefill_rate_tps_w)
     predicted TPOT = tpot_base_s_w + tpot_per_stream_s_w * (decode_streams_w + 1)
+    outstanding work (s) = prefill_tokens_w / prefill_rate_tps_w + decode_tokens_w / decode_rate_tps_w
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ class WorkerView:
     outstanding: int = 0  # requests the router sent that have not finished
     prefill_tokens: int = 0  # uncached prompt tokens sent whose first token has not come back
     decode_streams: int = 0  # requests past their first token, not finished
+    decode_tokens: int = 0  # output tokens still to come for requests sent here (sum of max_tokens - seen)
     cached_prefix_tokens: int = 0  # estimated prefix hit of *this* request here (prefix index)
     ttft_base_s: float = 0.02  # fixed overhead of every request (config)
     prefill_rate_tps: float = 8192.0  # learned: uncached prompt tokens per busy second
     ttft_calibration: float = 1.0  # learned: observed / modelled TTFT (EWMA)
+    decode_rate_tps: float = 512.0  # learned: output tokens per second while streams decode
     tpot_base_s: float = 0.01  # learned: TPOT with one stream
     tpot_per_stream_s: float = 0.0005  # learned: TPOT added per concurrent decode stream
     rate_samples: int = 1000  # prefill-rate samples learned so far (0: the rate is still the prior)
@@ -72,3 +75,8 @@ def predicted_ttft_s(w: WorkerView, r: RouteRequest) -> float:
 
 def predicted_tpot_s(w: WorkerView) -> float:
     return w.tpot_base_s + w.tpot_per_stream_s * (w.decode_streams + 1)
+
+
+def outstanding_work_s(w: WorkerView) -> float:
+    """Seconds the worker needs for what the router already sent it, at its learned rates."""
+    return w.prefill_tokens / w.prefill_rate_tps + w.decode_tokens / w.decode_rate_tps

@@ -9,8 +9,10 @@ Leading indicators are counted here, at the moment the router sends work, not wh
 The TTFT calibration is an EWMA of observed / modelled TTFT (clipped to [0.5, 4]; predictions under 50 ms
 are skipped): what the queue model misses (step granularity, CPU contention, traffic from other clients).
 
+    decode_tokens   output tokens still to come for them (sum of max_tokens - tokens seen)
+
 Each change of pending prefill advances the worker's busy clock; each first token adds its uncached
-tokens to the prefill work done (rates.ServiceRate). At each finish the TPOT fit learns (decode streams ->
+tokens to the prefill work done (rates.ServiceRate); streamed tokens feed the decode rate the same way. At each finish the TPOT fit learns (decode streams ->
 observed TPOT). All methods take `now`; nothing here reads a clock.
 """
 
@@ -63,6 +65,7 @@ class InFlight:
     decode_streams_at_first: int = 0
     ttft_deadline_s: float = float("inf")  # arrival + the class's TTFT SLO
     calibration_at_send: float = 1.0
+    decode_left: int = 0  # output tokens still expected (max_tokens - seen)
     hit_chunks: int = 0  # prefix chunks the index expected cached there (for the correction)
     hit_tokens: int = 0
 
@@ -81,6 +84,7 @@ class WorkerState:
         self.prefill_tokens = 0
         self._pending: dict[int, InFlight] = {}  # attempts whose prefill is pending, by id()
         self.decode_streams = 0
+        self.decode_tokens = 0
         self.reported_running: int | None = None
         self.reported_waiting: int | None = None
         self.kv_usage: float | None = None
@@ -95,12 +99,14 @@ class WorkerState:
         return self.kind == "tokenmill"  # vLLM rejects `priority` unless priority scheduling is on
 
     def start(self, request_id: str, uncached_tokens: int, predicted_ttft_s: float, now: float,
-              ttft_deadline_s: float = float("inf")) -> InFlight:
+              ttft_deadline_s: float = float("inf"), max_tokens: int = 16) -> InFlight:
         self.rates.prefill.advance(now, busy=self.prefill_tokens > 0)
         self.outstanding += 1
         self.prefill_tokens += uncached_tokens
+        self.decode_tokens += max_tokens
         f = InFlight(request_id, self.url, uncached_tokens, self.prefill_tokens, predicted_ttft_s, now,
-                     ttft_deadline_s=ttft_deadline_s, calibration_at_send=self.ttft_calibration)
+                     ttft_deadline_s=ttft_deadline_s, calibration_at_send=self.ttft_calibration,
+                     decode_left=max_tokens)
         self._pending[id(f)] = f
         return f
 
@@ -116,6 +122,8 @@ class WorkerState:
         """Record an observed first token; returns the observed TTFT (s)."""
         self.end_prefill(f, now)
         f.first_token_s = now
+        self._take_decode(f, 1)  # the prefill step made the first token
+        self.rates.decode.advance(now, busy=self.decode_streams > 0)
         self.decode_streams += 1
         f.decode_streams_at_first = self.decode_streams
         ttft_s = now - f.sent_s
@@ -125,13 +133,25 @@ class WorkerState:
             self.calibration.update(min(MAX_CALIBRATION, max(MIN_CALIBRATION, ttft_s / modelled_s)))
         return ttft_s
 
+    def tokens(self, f: InFlight, n: int, now: float) -> None:
+        """`n` more output tokens of `f` streamed back (after its first)."""
+        self._take_decode(f, n)
+        self.rates.decode.done(n, now, busy=self.decode_streams > 0)
+
+    def _take_decode(self, f: InFlight, n: int) -> None:
+        n = min(n, f.decode_left)
+        f.decode_left -= n
+        self.decode_tokens -= n
+
     def finish(self, f: InFlight, now: float, output_tokens: int) -> float | None:
         """The attempt ended (either way); returns the observed TPOT (s) when there is one."""
         self.end_prefill(f, now, served=False)
+        self._take_decode(f, f.decode_left)
         self.outstanding -= 1
         if f.first_token_s is None:
             return None
         streams = (f.decode_streams_at_first + self.decode_streams) / 2
+        self.rates.decode.advance(now, busy=True)
         self.decode_streams -= 1
         if output_tokens < 2:
             return None
@@ -146,6 +166,7 @@ class WorkerState:
         return WorkerView(
             url=self.url, healthy=self.healthy, outstanding=self.outstanding,
             prefill_tokens=max(0, self.prefill_tokens), decode_streams=self.decode_streams,
+            decode_tokens=max(0, self.decode_tokens), decode_rate_tps=r.decode_rate_tps,
             cached_prefix_tokens=cached_prefix_tokens, ttft_base_s=r.ttft_base_s, prefill_rate_tps=r.prefill_rate_tps,
             ttft_calibration=self.ttft_calibration, tpot_base_s=r.tpot_base_s, tpot_per_stream_s=r.tpot_per_stream_s, rate_samples=r.prefill.samples,
             reported_running=self.reported_running, reported_waiting=self.reported_waiting, kv_usage=self.kv_usage,
