@@ -31,6 +31,13 @@ def workloads(args) -> list[str]:
             f"shared-prefix:groups={args.groups},prompts=64,{shape}@{1 - args.hot:g}"]
 
 
+def mean_row(name: str, rs: list[dict]) -> dict:
+    """The average of several runs' rows (per-worker request counts summed)."""
+    avg = {k: (sum(r[k] for r in rs) / len(rs) if all(r[k] is not None for r in rs) else None)
+           for k in rs[0] if isinstance(rs[0][k], (int, float))}
+    return {**avg, "router": name, "per_worker": [sum(c) for c in zip(*(r["per_worker"] for r in rs))]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workers", type=int, default=3)
@@ -47,6 +54,7 @@ def main() -> int:
     p.add_argument("--sglang-python", help="python of a venv with sglang-router installed")
     p.add_argument("--base-port", type=int, default=18300)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="runs per router, in rotating order; the table averages")
     p.add_argument("--out", type=Path, default=None, help="keep bench results and logs here")
     args = p.parse_args()
 
@@ -59,26 +67,33 @@ def main() -> int:
     routers = [(name, "tokenmill") for name in args.policies]
     if args.sglang_python:
         routers.append(("sglang-router cache_aware", "sglang"))
-    rows = []
-    for name, kind in routers:
-        run_dir = out / name.replace(" ", "_")
-        run_dir.mkdir(exist_ok=True)
-        with workers(model, args.workers, args.base_port, args.kv_cache_size, run_dir) as urls:
-            warm_up(urls)
-            router = (tokenmill_router(urls, router_port, name, "off", run_dir) if kind == "tokenmill"
-                      else sglang_router(urls, router_port, args.sglang_python, run_dir))
-            with router as target:
-                result = bench(target, run_dir / "bench", model, workloads(args), args.rate, args.duration,
-                               args.slo, args.seed)
-                estimates = router_estimates(target) if kind == "tokenmill" else {}
-            rows.append({**row(name, result, [worker_counters(u) for u in urls]), "router_metrics": estimates})
-        print(f"{name}: goodput {rows[-1]['goodput']:.2f} req/s", file=sys.stderr, flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name, _ in routers}
+    for rep in range(args.repeats):
+        shift = rep % len(routers)  # rotate the order: the machine's background load drifts
+        for name, kind in routers[shift:] + routers[:shift]:
+            run_dir = out / f"{name.replace(' ', '_')}-{rep}"
+            run_dir.mkdir(exist_ok=True)
+            with workers(model, args.workers, args.base_port, args.kv_cache_size, run_dir) as urls:
+                warm_up(urls)
+                router = (tokenmill_router(urls, router_port, name, "off", run_dir) if kind == "tokenmill"
+                          else sglang_router(urls, router_port, args.sglang_python, run_dir))
+                with router as target:
+                    result = bench(target, run_dir / "bench", model, workloads(args), args.rate, args.duration,
+                                   args.slo, args.seed)
+                    estimates = router_estimates(target) if kind == "tokenmill" else {}
+                runs[name].append({**row(name, result, [worker_counters(u) for u in urls]),
+                                   "router_metrics": estimates})
+            print(f"{name} #{rep}: goodput {runs[name][-1]['goodput']:.2f} req/s", file=sys.stderr, flush=True)
+    rows = [mean_row(name, rs) for name, rs in runs.items()]
     print(f"{args.workers} tokenmill workers (tiny model, 1 thread, KV {args.kv_cache_size} each), "
           f"{args.rate:g} req/s Poisson for {args.duration:g}s, shared-prefix system={args.system} "
           f"question={args.question} output={args.output}, {100 * args.hot:g}% on one hot prefix + {args.groups} "
           f"more, SLO {args.slo}\n")
     print(table(rows))
-    (out / "routing_policies.json").write_text(json.dumps(rows, indent=1))
+    if args.repeats > 1:
+        each = {name: ", ".join(f"{r['goodput']:.2f}" for r in rs) for name, rs in runs.items()}
+        print("\ngoodput of each run (req/s): " + "; ".join(f"{name}: {g}" for name, g in each.items()))
+    (out / "routing_policies.json").write_text(json.dumps(runs, indent=1))
     print(f"\nresults: {out}")
     return 0
 

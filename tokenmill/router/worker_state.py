@@ -6,8 +6,8 @@ Leading indicators are counted here, at the moment the router sends work, not wh
     prefill_tokens  uncached prompt tokens sent whose first token has not come back
     decode_streams  requests past their first token and not finished
 
-The TTFT calibration is an EWMA of observed / modelled TTFT (clipped to [0.5, 4]; predictions under 50 ms
-are skipped): what the queue model misses (step granularity, CPU contention, traffic from other clients).
+The TTFT calibration is an EWMA of observed / modelled TTFT (clipped to [0.5, 4]; predictions under 50 ms,
+or made before the prefill rate had 2 samples, are skipped): what the queue model misses (step granularity, CPU contention, traffic from other clients).
 
     decode_tokens   output tokens still to come for them (sum of max_tokens - tokens seen)
 
@@ -26,6 +26,7 @@ from tokenmill.router.snapshot import WorkerView
 WORKER_KINDS = ("auto", "tokenmill", "vllm", "sglang", "openai")
 MIN_CALIBRATION, MAX_CALIBRATION = 0.5, 4.0
 CALIBRATE_ABOVE_S = 0.05  # shorter predictions are mostly noise
+CALIBRATE_AFTER_SAMPLES = 2  # predictions made on the prior rate say nothing about the model
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class InFlight:
     decode_streams_at_first: int = 0
     ttft_deadline_s: float = float("inf")  # arrival + the class's TTFT SLO
     calibration_at_send: float = 1.0
+    rate_samples_at_send: int = 0
     decode_left: int = 0  # output tokens still expected (max_tokens - seen)
     hit_chunks: int = 0  # prefix chunks the index expected cached there (for the correction)
     hit_tokens: int = 0
@@ -106,6 +108,7 @@ class WorkerState:
         self.decode_tokens += max_tokens
         f = InFlight(request_id, self.url, uncached_tokens, self.prefill_tokens, predicted_ttft_s, now,
                      ttft_deadline_s=ttft_deadline_s, calibration_at_send=self.ttft_calibration,
+                     rate_samples_at_send=self.rates.prefill.samples,
                      decode_left=max_tokens)
         self._pending[id(f)] = f
         return f
@@ -129,7 +132,7 @@ class WorkerState:
         ttft_s = now - f.sent_s
         self.observed_ttft.update(ttft_s)
         modelled_s = f.predicted_ttft_s / f.calibration_at_send
-        if modelled_s >= CALIBRATE_ABOVE_S:
+        if modelled_s >= CALIBRATE_ABOVE_S and f.rate_samples_at_send >= CALIBRATE_AFTER_SAMPLES:
             self.calibration.update(min(MAX_CALIBRATION, max(MIN_CALIBRATION, ttft_s / modelled_s)))
         return ttft_s
 
