@@ -7,7 +7,8 @@ Workload: `--num-prompts` prompts cut from the Python standard library (seeded; 
 [--min-input, --max-input] tokens), greedy, `ignore_eos` so every request generates exactly --max-tokens.
 Offline: `tokenmill.LLM.generate(prompts)` in this process. HTTP: `tokenmill serve` in a subprocess with the
 same engine options, every request sent at once with aiohttp (non-streaming, or SSE with --stream).
-Repeat r runs prompts drawn with seed+r through both modes (no prefix-cache reuse across repeats), which of
+After one unmeasured run of a workload of its own in both modes (warm-up), repeat r runs prompts drawn
+with seed+r through both modes (no prefix-cache reuse across repeats), which of
 the two goes first alternates (the machine may be shared and its load drift). Prints a markdown table of
 totals, the overall throughput ratio, and the ratio of each repeat.
 """
@@ -173,6 +174,9 @@ def main(argv=None) -> int:
     off_runner, http_runner = Offline(args), Http(args)
     offline, http = [], []
     try:
+        warmup = make_prompts(tok, args.num_prompts, args.min_input, args.max_input, args.seed - 1)
+        off_runner.run(warmup)  # the full workload once, unmeasured: allocator and caches reach steady state
+        http_runner.run(warmup)
         for r, prompts in enumerate(workloads):  # alternate which goes first: drifting load hits both alike
             if r % 2 == 0:
                 offline.append(off_runner.run(prompts))

@@ -29,6 +29,18 @@ from tokenmill.errors import EngineOverloadedError
 log = logging.getLogger("tokenmill.server")
 
 
+def _share_malloc_arena() -> None:
+    """glibc gives each new thread its own malloc arena, whose heaps are unmapped when empty: the engine
+    thread's per-step activations would page-fault back in on every step (the runner's mallopt settings
+    keep freed memory only in the main arena). One arena for the whole process keeps them mapped."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-8, 1)  # M_ARENA_MAX = 1
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class EngineError(Exception):
     """The engine failed this request (step() raised, or the server is shutting down)."""
 
@@ -138,6 +150,7 @@ class AsyncEngine:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
+        _share_malloc_arena()
         self._loop = asyncio.get_running_loop()
         self._stats = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
