@@ -113,8 +113,11 @@ def sglang_router(urls: list[str], port: int, python: str, log_dir: Path):
 
 
 def bench(target: str, out: Path, model: Path, workloads: list[str], rate: float, duration_s: float,
-          slo: str, seed: int = 0) -> dict:
-    cmd = [PY, "-m", "tokenmill", "bench", "--target", target, "--model", model.name, "--tokenizer", str(model),
+          slo: str, seed: int = 0, listed_model: str | None = None) -> dict:
+    """`listed_model`: the name the target lists in /v1/models when it is not the workers' (sglang-router
+    lists "unknown"); the requests still name the workers' model."""
+    cmd = [PY, "-m", "tokenmill", "bench", "--target", target, "--tokenizer", str(model),
+           "--model", listed_model or model.name, "--extra-body", json.dumps({"model": model.name}),
            "--prompt-format", "text", "--rate", str(rate), "--duration", str(duration_s), "--slo", slo,
            "--seed", str(seed), "--out", str(out), "--no-plots", "--no-progress"]
     for w in workloads:

@@ -79,7 +79,7 @@ def main() -> int:
                           else sglang_router(urls, router_port, args.sglang_python, run_dir))
                 with router as target:
                     result = bench(target, run_dir / "bench", model, workloads(args), args.rate, args.duration,
-                                   args.slo, args.seed)
+                                   args.slo, args.seed, listed_model=None if kind == "tokenmill" else "unknown")
                     estimates = router_estimates(target) if kind == "tokenmill" else {}
                 runs[name].append({**row(name, result, [worker_counters(u) for u in urls]),
                                    "router_metrics": estimates})

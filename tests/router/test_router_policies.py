@@ -97,9 +97,11 @@ def test_policies_are_pure_and_snapshots_frozen():
         s.workers[0].outstanding = 3
 
 
-def test_prefix_load_counts_output_tokens_still_to_come_at_the_learned_decode_rate():
-    cached = WorkerView("cached", outstanding=3, decode_tokens=3000, decode_rate_tps=500.0, cached_prefix_tokens=900)
-    cold = WorkerView("cold", outstanding=3, decode_tokens=300, decode_rate_tps=500.0)
-    # cached: 6 s of decode queued; cold: 0.6 s + a miss of 2 x 1000 tokens at 8192 tok/s
-    assert get_policy("prefix-load")(snap(cached, cold), P).worker == "cold"
-    assert get_policy("least-load")(snap(cached, cold), P).worker == "cold"  # same count: less work wins
+
+def test_prefix_load_counts_running_streams_not_their_remaining_output_as_queue():
+    streaming = WorkerView("streaming", outstanding=3, decode_streams=3, decode_tokens=3000, cached_prefix_tokens=900)
+    cold = WorkerView("cold", outstanding=3, decode_streams=3, decode_tokens=30)
+    # joining a batch of decodes does not wait for their 3000 tokens: the hit still wins
+    assert get_policy("prefix-load")(snap(streaming, cold), P).worker == "streaming"
+    busy = WorkerView("busy", outstanding=3, decode_streams=60, cached_prefix_tokens=900)  # 60 x 32 + 2 x 100 > 2 x 1000
+    assert get_policy("prefix-load")(snap(busy, WorkerView("idle", outstanding=3)), P).worker == "idle"

@@ -1,13 +1,15 @@
 """Routing policies: pure functions (RouteSnapshot, PolicyParams) -> RouteChoice. No I/O, no clock.
 
     round-robin   the (seq mod n)-th routable worker
-    least-load    fewest outstanding requests; ties: least outstanding work (seconds, below)
+    least-load    fewest outstanding requests; ties: least outstanding work (work_w / prefill_rate_w, below)
     prefix        longest estimated cached prefix; ties (and no hit anywhere): least-load
     prefix-load   (default) least estimated cost among the workers the load guard allows:
-                      cost_w = ttft_base_w + (1 + κ)·uncached_w / prefill_rate_w + outstanding_work_w
-                      outstanding_work_w = prefill_tokens_w / prefill_rate_w + decode_tokens_w / decode_rate_w
-                  i.e. the uncached prefill after the prefix hit plus the worker's outstanding work (prefill
-                  queued and output tokens still to generate), in seconds of that worker's learned rates. κ (miss_weight) counts a cache miss's prefill a
+                      cost_w = ttft_base_w + ((1 + κ)·uncached_w + work_w) / prefill_rate_w
+                      work_w = prefill_tokens_w + λ·decode_streams_w          (outstanding work, tokens)
+                  i.e. the uncached prefill after the prefix hit plus the worker's outstanding work, in
+                  seconds of that worker's learned prefill rate. A running stream counts λ tokens: it does
+                  not queue in front of a new prompt (continuous batching), it only slows the shared steps;
+                  its remaining output (decode_tokens) is deliberately not counted as a queue. κ (miss_weight) counts a cache miss's prefill a
                   second time: it is not only this request's wait but work added in front of every request
                   that queues behind it there (and a stall for the decodes sharing its steps), so a greedy
                   per-request choice does not trade cache hits for a slightly shorter queue and raise the
@@ -24,18 +26,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from tokenmill.router.snapshot import RouteSnapshot, WorkerView, outstanding_work_s, uncached_tokens
+from tokenmill.router.snapshot import RouteSnapshot, WorkerView, uncached_tokens
 
 
 @dataclass(frozen=True)
 class PolicyParams:
     miss_weight: float = 1.0  # κ: extra weight on uncached prompt tokens (their cost to other requests)
+    decode_stream_tokens: float = 32.0  # λ: one running decode stream weighs like this many queued prompt tokens
     guard_abs: int = 4  # load guard: outstanding requests over the least-loaded worker ...
     guard_rel: float = 2.0  # ... and this many times its outstanding requests
 
     def __post_init__(self):
-        if self.miss_weight < 0:
-            raise ValueError(f"policy miss_weight must be >= 0, got {self.miss_weight}")
+        if self.miss_weight < 0 or self.decode_stream_tokens < 0:
+            raise ValueError("policy miss_weight and decode_stream_tokens must be >= 0")
         if self.guard_abs < 0 or self.guard_rel < 1:
             raise ValueError("policy load guard needs guard_abs >= 0 and guard_rel >= 1")
 
@@ -68,8 +71,13 @@ def get_policy(name: str) -> Policy:
         raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(sorted(POLICIES))}") from None
 
 
+def work_tokens(w: WorkerView, p: PolicyParams) -> float:
+    """Outstanding work on w in prompt-token units: queued prefill plus λ per running stream."""
+    return w.prefill_tokens + p.decode_stream_tokens * w.decode_streams
+
+
 def _load_key(w: WorkerView, p: PolicyParams) -> tuple:
-    return (w.outstanding, outstanding_work_s(w), w.url)
+    return (w.outstanding, work_tokens(w, p) / w.prefill_rate_tps, w.url)
 
 
 NO_WORKER = RouteChoice(None, "no-worker")
@@ -103,8 +111,8 @@ def prefix(snap: RouteSnapshot, p: PolicyParams) -> RouteChoice:
 
 
 def prefix_load_cost_s(w: WorkerView, snap: RouteSnapshot, p: PolicyParams) -> float:
-    miss_s = (1 + p.miss_weight) * uncached_tokens(w, snap.request) / w.prefill_rate_tps
-    return w.ttft_base_s + miss_s + outstanding_work_s(w)
+    work = (1 + p.miss_weight) * uncached_tokens(w, snap.request) + work_tokens(w, p)
+    return w.ttft_base_s + work / w.prefill_rate_tps
 
 
 def load_guard(workers: tuple[WorkerView, ...], p: PolicyParams) -> tuple[WorkerView, ...]:

@@ -6,7 +6,6 @@ Everything here is frozen and clock-free: the router builds a `RouteSnapshot` fr
     uncached_w     = max(0, prompt_tokens - cached_prefix_tokens_w)
     predicted TTFT = ttft_calibration_w * (ttft_base_s_w + (prefill_tokens_w + uncached_w) / prefill_rate_tps_w)
     predicted TPOT = tpot_base_s_w + tpot_per_stream_s_w * (decode_streams_w + 1)
-    outstanding work (s) = prefill_tokens_w / prefill_rate_tps_w + decode_tokens_w / decode_rate_tps_w
 """
 
 from __future__ import annotations
@@ -76,7 +75,3 @@ def predicted_ttft_s(w: WorkerView, r: RouteRequest) -> float:
 def predicted_tpot_s(w: WorkerView) -> float:
     return w.tpot_base_s + w.tpot_per_stream_s * (w.decode_streams + 1)
 
-
-def outstanding_work_s(w: WorkerView) -> float:
-    """Seconds the worker needs for what the router already sent it, at its learned rates."""
-    return w.prefill_tokens / w.prefill_rate_tps + w.decode_tokens / w.decode_rate_tps
