@@ -56,6 +56,8 @@ def engine_flags(args) -> list[str]:
         flags += ["--max-model-len", str(args.max_model_len)]
     if args.num_threads:
         flags += ["--num-threads", str(args.num_threads)]
+    if args.stream_interval != 1:
+        flags += ["--stream-interval", str(args.stream_interval)]
     return flags
 
 
@@ -156,6 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stream", action="store_true", help="HTTP requests use SSE streaming")
+    p.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval (SSE)")
     p.add_argument("--kv-cache-bytes", default="1GiB")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -192,7 +195,9 @@ def main(argv=None) -> int:
     median_ratio = ratios[len(ratios) // 2] if len(ratios) % 2 else sum(ratios[len(ratios) // 2 - 1:][:2]) / 2
 
     rows = []
-    for name, runs in (("offline (LLM.generate)", offline), (f"HTTP ({'SSE' if args.stream else 'non-streaming'})", http)):
+    sse = (f"SSE, stream interval {args.stream_interval}" if args.stream_interval > 1 else "SSE") \
+        if args.stream else "non-streaming"
+    for name, runs in (("offline (LLM.generate)", offline), (f"HTTP ({sse})", http)):
         wall, ptok, otok, step_s = (sum(x[i] for x in runs) for i in range(4))
         rows.append({"mode": name, "step_s": step_s, "requests": args.num_prompts * len(runs), "prompt_tokens": ptok,
                      "output_tokens": otok, "wall_s": wall, "req_s": args.num_prompts * len(runs) / wall,

@@ -179,3 +179,13 @@ def test_state_endpoint(fake_server):
     assert st["engine_step_seconds"] > 0
     s = st["stats"]
     assert s["generation_tokens_total"] == 3 and s["kv_blocks_total"] == 512 and 0 <= s["kv_usage"] <= 1
+
+
+def test_stream_interval_groups_tokens(make_server):
+    s = make_server(stream_interval=4)
+    c = client(s)
+    chunks = [ch for ch in c.completions.create(model="fake", prompt="x", max_tokens=10, stream=True)]
+    texts = [ch.choices[0].text for ch in chunks]
+    assert "".join(texts) == c.completions.create(model="fake", prompt="x", max_tokens=10).choices[0].text
+    assert len(chunks) == 4  # token 1 at once (TTFT), 2-5, 6-9, 10 with the finish
+    assert chunks[-1].choices[0].finish_reason == "length"

@@ -174,3 +174,32 @@ def test_serve_bad_model_is_one_line_error():
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert p.stderr.strip().startswith("tokenmill serve: error:") and "Traceback" not in p.stderr
+
+
+@pytest.mark.slow
+def test_serve_without_model_argument_serves_demo():
+    from tokenmill.errors import ModelLoadError
+    from tokenmill.model.loader import resolve_model_path
+
+    try:
+        resolve_model_path("demo")
+    except ModelLoadError:
+        pytest.skip("the demo model is not shipped in this checkout")
+    p = subprocess.Popen([sys.executable, "-m", "tokenmill", "serve", "--port", "0", "--kv-cache-bytes", "64MiB"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = p.stdout.readline()
+        assert "model 'demo'" in line, line
+        url = re.search(r"http://[\d.]+:\d+", line).group(0)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        assert [m.id for m in c.models.list().data][0] == "demo"
+        r = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "def add(a, b):"}],
+                                      max_tokens=8, temperature=0)
+        assert r.usage.completion_tokens >= 1
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

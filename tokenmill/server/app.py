@@ -288,7 +288,8 @@ def _usage(out: RequestOutput) -> dict:
 
 
 def create_app(engine, *, api_key: str | None = None, served_model_names: list[str] | None = None,
-               max_pending: int = 4096, enable_prefix_caching: bool = True) -> web.Application:
+               max_pending: int = 4096, enable_prefix_caching: bool = True,
+               stream_interval: int = 1) -> web.Application:
     """An aiohttp app serving `engine` (an LLMEngine or anything with its interface). The engine thread
     starts with the app and stops at its cleanup."""
     names = list(served_model_names or [engine.model_name])
@@ -296,7 +297,8 @@ def create_app(engine, *, api_key: str | None = None, served_model_names: list[s
     metrics = ServerMetrics(names[0], engine.max_model_len,
                             lambda: (holder["engine"].stats(), holder["engine"].num_pending()),
                             enable_prefix_caching=enable_prefix_caching)
-    async_engine = holder["engine"] = AsyncEngine(engine, metrics, max_pending=max_pending)
+    async_engine = holder["engine"] = AsyncEngine(engine, metrics, max_pending=max_pending,
+                                                  stream_interval=stream_interval)
     server = OpenAIServer(async_engine, metrics, names, api_key, getattr(engine, "kv_capacity_tokens", None))
     app = web.Application(middlewares=[server.errors, server.auth], client_max_size=MAX_BODY_BYTES)
     app[SERVER_KEY] = server

@@ -102,6 +102,7 @@ class _Track:
     last_token_at: float | None = None
     num_generated: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    held: list[RequestOutput] = field(default_factory=list)  # streaming outputs not yet sent (stream_interval)
 
 
 @dataclass
@@ -131,10 +132,11 @@ class _Shared:
 class AsyncEngine:
     """Wraps an LLMEngine (or anything with its interface). Start with `start()` from inside the loop."""
 
-    def __init__(self, engine, metrics=None, max_pending: int = 4096):
+    def __init__(self, engine, metrics=None, max_pending: int = 4096, stream_interval: int = 1):
         self.engine = engine
         self.metrics = metrics  # ServerMetrics or None; thread-safe (prometheus_client)
         self.max_pending = max_pending  # adds queued for the engine thread at most (beyond: overloaded)
+        self.stream_interval = max(1, stream_interval)  # streaming: send every N tokens (first and last at once)
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.tokenizer = engine.tokenizer
@@ -293,7 +295,11 @@ class AsyncEngine:
                 continue
             self._observe_tokens(track, len(out.new_token_ids), now)
             if not track.collect:
-                deliver.append(out)
+                track.held.append(out)
+                if (out.finished or track.num_generated == len(out.new_token_ids)
+                        or sum(len(o.new_token_ids) for o in track.held) >= self.stream_interval):
+                    deliver.extend(track.held)
+                    track.held = []
             elif out.new_logprobs:
                 track.logprobs.extend(out.new_logprobs)
             if out.finished:

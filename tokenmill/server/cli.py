@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="0: any free port, printed at start-up (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TOKENMILL_API_KEY)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="SSE: send every N tokens (the first and the last at once); >1 trades streaming "
+                        "granularity for throughput (default: %(default)s)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -43,6 +46,8 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not 0 <= args.port <= 65535:
         raise CLIError(f"--port must be in 0..65535, got {args.port}")
+    if args.stream_interval < 1:
+        raise CLIError(f"--stream-interval must be >= 1, got {args.stream_interval}")
     if args.api_key is not None and not args.api_key:
         raise CLIError("--api-key must not be empty")
     try:
@@ -55,7 +60,8 @@ def run(args) -> int:
     if not args.served_model_name and alias not in names:  # a directory: its name works too
         names.append(alias)
     app = create_app(engine, api_key=args.api_key, served_model_names=names,
-                     max_pending=config.max_waiting_requests, enable_prefix_caching=config.enable_prefix_caching)
+                     max_pending=config.max_waiting_requests, enable_prefix_caching=config.enable_prefix_caching,
+                     stream_interval=args.stream_interval)
 
     def ready(url: str) -> None:
         print(f"tokenmill serve: model {names[0]!r} (max_model_len {engine.max_model_len}) at {url}/v1", flush=True)
