@@ -29,7 +29,7 @@ def test_decode_paths_match_dense(monkeypatch, window, use_kernel):
         monkeypatch.setattr(attention, "_cpu_kernels", lambda q, c: None)
     g = torch.Generator().manual_seed(0)
     nb, bs, kvh, hd, nh = 20, 4, 2, 16, 6
-    cache = torch.randn(2, nb, bs, kvh, hd, generator=g)
+    cache = torch.randn(2, nb, kvh, bs, hd, generator=g)
     lens = [1, 7, 13]
     tables = [[3], [5, 9], [0, 2, 11, 19]]
     d = len(lens)
@@ -44,8 +44,8 @@ def test_decode_paths_match_dense(monkeypatch, window, use_kernel):
     out = paged_attention(q, k_new, v_new, cache, meta, scale=0.25)
     for i in range(d):
         rows = torch.tensor([tables[i][t // bs] * bs + t % bs for t in range(lens[i])])
-        keys = cache[0].reshape(-1, kvh, hd)[rows]
-        vals = cache[1].reshape(-1, kvh, hd)[rows]
+        keys = cache[0].transpose(1, 2).reshape(-1, kvh, hd)[rows]  # [ctx, kvh, hd]
+        vals = cache[1].transpose(1, 2).reshape(-1, kvh, hd)[rows]
         ref = dense_reference(q[i], keys, vals, lens[i], window, 0.25)
         assert torch.allclose(out[i], ref, atol=1e-5), i
-    assert torch.equal(cache[0].reshape(-1, kvh, hd)[slots], k_new)  # new K/V written first
+    assert torch.equal(cache[0].transpose(1, 2).reshape(-1, kvh, hd)[slots], k_new)  # new K/V written first

@@ -44,7 +44,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.sliding_window = sliding_window
-        shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (2, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         if device.type == "cpu":
             _keep_freed_memory()

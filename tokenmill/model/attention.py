@@ -1,6 +1,7 @@
 """Paged attention over a block-structured KV cache, in plain PyTorch (CPU and CUDA).
 
-Layout: one cache tensor per layer, `[2, num_blocks, block_size, num_kv_heads, head_dim]` (K, V).
+Layout: one cache tensor per layer, `[2, num_blocks, num_kv_heads, block_size, head_dim]` (K, V): within a
+block each head's tokens are contiguous, so a kernel reading one (sequence, head) streams whole rows.
 A flat batch holds T new tokens from many sequences; each sequence brings q_len >= 1 new tokens
 (a prefill chunk, one decode token, or k draft tokens to verify) on top of ctx_len - q_len cached ones.
 
@@ -48,10 +49,18 @@ def _cpu_kernels(q: torch.Tensor, cache: torch.Tensor):
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    # cache: [2, NB, bs, kvh, hd]; k, v: [T, kvh, hd]
-    _, nb, bs, kvh, hd = cache.shape
-    cache[0].view(nb * bs, kvh, hd).index_copy_(0, slot_mapping, k)
-    cache[1].view(nb * bs, kvh, hd).index_copy_(0, slot_mapping, v)
+    # cache: [2, NB, kvh, bs, hd]; k, v: [T, kvh, hd]
+    bs = cache.shape[3]
+    blk, off = slot_mapping // bs, slot_mapping % bs
+    cache[0][blk, :, off] = k
+    cache[1][blk, :, off] = v
+
+
+def gather_kv(cache_kv: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[NB, kvh, bs, hd] + block table [..., MB] -> [..., kvh, MB * bs, hd] (a copy)."""
+    g = cache_kv[block_table]  # [..., MB, kvh, bs, hd]
+    mb, kvh, bs, hd = g.shape[-4:]
+    return g.transpose(-4, -3).reshape(*g.shape[:-4], kvh, mb * bs, hd)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
@@ -61,7 +70,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     out = torch.empty_like(q)
     nh, kvh = q.shape[1], k.shape[1]
     gqa = nh != kvh
-    _, nb, bs, _, hd = cache.shape
+    bs = cache.shape[3]
     for s in meta.spans:
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [nh, q, hd]
         window = meta.sliding_window
@@ -70,8 +79,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
             vs = v[s.q_start:s.q_start + s.q_len].transpose(0, 1)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            ks = cache[0][s.block_table].view(-1, kvh, hd)[:s.ctx_len].transpose(0, 1)  # [kvh, ctx, hd]
-            vs = cache[1][s.block_table].view(-1, kvh, hd)[:s.ctx_len].transpose(0, 1)
+            ks = gather_kv(cache[0], s.block_table)[:, :s.ctx_len]  # [kvh, ctx, hd]
+            vs = gather_kv(cache[1], s.block_table)[:, :s.ctx_len]
             qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)[:, None]
             kpos = torch.arange(s.ctx_len, device=q.device)[None, :]
             mask = kpos <= qpos
@@ -98,8 +107,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
                 mask &= kpos >= lens - meta.sliding_window
             meta.decode_mask = mask[:, None, None, :]
         qd = q.index_select(0, idx).unsqueeze(2)  # [D, nh, 1, hd]
-        kd = cache[0][meta.decode_block_tables].view(d, -1, kvh, hd).transpose(1, 2)  # [D, kvh, S, hd]
-        vd = cache[1][meta.decode_block_tables].view(d, -1, kvh, hd).transpose(1, 2)
+        kd = gather_kv(cache[0], meta.decode_block_tables)  # [D, kvh, S, hd]
+        vd = gather_kv(cache[1], meta.decode_block_tables)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
         out.index_copy_(0, idx, o.squeeze(2))
     return out

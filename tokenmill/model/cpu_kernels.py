@@ -34,7 +34,7 @@ def get_kernels():
         from torch.utils.cpp_extension import load
 
         isa = _isa_flags()
-        name = "tokenmill_cpu_kernels_v1" + ("_avx2" if isa else "")
+        name = "tokenmill_cpu_kernels_v2" + ("_avx2" if isa else "")
         src = Path(__file__).parent / "csrc" / "paged_decode.cpp"
         _state["mod"] = load(name=name, sources=[str(src)], extra_cflags=["-O3", "-fopenmp", *isa],
                              extra_ldflags=["-fopenmp"], verbose=False)
