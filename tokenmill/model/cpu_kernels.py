@@ -31,7 +31,15 @@ def get_kernels():
     if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
         return None
     try:
+        import sys
+
         from torch.utils.cpp_extension import load
+
+        # the `ninja` the project depends on lives beside this interpreter, even without an activated venv
+        bindir = str(Path(sys.executable).parent)
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        log.info("loading the CPU attention kernel (compiled once per machine, ~1 minute the first time)")
 
         isa = _isa_flags()
         name = "tokenmill_cpu_kernels_v2" + ("_avx2" if isa else "")
