@@ -50,7 +50,7 @@ def main() -> int:
     p.add_argument("--groups", type=int, default=5, help="other system prompts")
     p.add_argument("--kv-cache-size", default="8MiB", help="per worker: 4096 tokens, not all 6 system prompts")
     p.add_argument("--slo", default="interactive:ttft=1000,tpot=100")
-    p.add_argument("--policies", nargs="+", default=POLICIES)
+    p.add_argument("--policies", nargs="*", default=POLICIES, help="tokenmill policies to run (none: only sglang)")
     p.add_argument("--sglang-python", help="python of a venv with sglang-router installed")
     p.add_argument("--base-port", type=int, default=18300)
     p.add_argument("--seed", type=int, default=0)

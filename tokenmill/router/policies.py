@@ -34,7 +34,7 @@ class PolicyParams:
     miss_weight: float = 1.0  # κ: extra weight on uncached prompt tokens (their cost to other requests)
     decode_stream_tokens: float = 32.0  # λ: one running decode stream weighs like this many queued prompt tokens
     guard_abs: int = 4  # load guard: outstanding requests over the least-loaded worker ...
-    guard_rel: float = 2.0  # ... and this many times its outstanding requests
+    guard_rel: float = 1.5  # ... and this many times its outstanding requests
 
     def __post_init__(self):
         if self.miss_weight < 0 or self.decode_stream_tokens < 0:
