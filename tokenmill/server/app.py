@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import signal
@@ -47,6 +48,10 @@ class OpenAIServer:
         self.kv_capacity_tokens = kv_capacity_tokens
         self.started = int(time.time())
         self._token_text: dict[int, str] = {}
+        # request ids: a random prefix per server and a counter (os.urandom per request releases the GIL, and
+        # getting it back from a busy engine thread can take a switch interval)
+        self._id_prefix = uuid.uuid4().hex[:12]
+        self._ids = itertools.count()
 
     # -- generation -------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -74,7 +79,7 @@ class OpenAIServer:
         priority = req.priority
         if priority is None:
             priority = parse_priority_header(request.headers.get("x-tokenmill-priority")) or 0
-        rid = f"{'cmpl' if req.kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        rid = f"{'cmpl' if req.kind == 'completion' else 'chatcmpl'}-{self._id_prefix}{next(self._ids):x}"
         try:
             stream = await self.engine.add(rid, ids, params, priority, collect=not req.stream)
         except InvalidRequestError as e:
