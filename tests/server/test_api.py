@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import openai
+import pytest
 
 
 def client(server, **kw):
@@ -42,17 +44,28 @@ def test_completion_stream_with_usage(fake_server):
     assert all(ch.usage is None for ch in chunks[:-1])
 
 
-def test_raw_sse_ends_with_done(fake_server):
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 3, "stop": ["never"], "logprobs": 1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "héllo ✓"}], "max_tokens": 3,
+                              "stream_options": {"include_usage": True}, "logprobs": True}),
+])
+def test_raw_sse_events_are_json_and_end_with_done(fake_server, path, body):
     import urllib.request
 
-    req = urllib.request.Request(fake_server.url + "/v1/completions", method="POST",
-                                 data=b'{"prompt": "x", "max_tokens": 2, "stream": true}',
+    req = urllib.request.Request(fake_server.url + path, method="POST", data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
         events = [e for e in r.read().decode().split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    with_choices = [c for c in chunks if c["choices"]]
+    assert with_choices[-1]["choices"][0]["finish_reason"] == "length"
+    assert with_choices[-1]["choices"][0]["stop_reason"] is None
+    assert all(c["choices"][0]["logprobs"] for c in with_choices[1 if "chat" in path else 0:])
+    if "stream_options" in body:
+        assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] == 3
 
 
 def test_chat(fake_server):
@@ -109,18 +122,18 @@ def test_priority_orders_waiting_requests(make_server):
 
     async def main():
         c = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-        first = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=5))
-        await asyncio.sleep(0.03)  # the first one runs; the next two wait
+        first = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=40))
+        await asyncio.sleep(0.05)  # the first one runs (~0.4 s); the next two wait
         low = asyncio.create_task(c.completions.create(model="fake", prompt="low", max_tokens=1, extra_body={"priority": 5}))
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(0.02)
         high = asyncio.create_task(c.completions.create(model="fake", prompt="high", max_tokens=1,
-                                                        extra_body={"priority": -5}))
+                                                        extra_headers={"x-tokenmill-priority": "-5"}))
         results = await asyncio.gather(first, low, high)
         await c.close()
         return [r.id for r in results]
 
     first, low, high = asyncio.run(main())
-    # both late requests waited behind the first; the high-priority one was admitted first
+    # both late requests waited behind the first; the high-priority one (by header) was admitted first
     assert eng.admitted == [first, high, low]
 
 
@@ -155,12 +168,12 @@ def test_32_concurrent_streams(make_server):
 def test_event_loop_not_blocked_by_compute(make_server):
     from .fake_engine import FakeEngine
 
-    s = make_server(FakeEngine(step_s=0.3))
+    s = make_server(FakeEngine(step_s=0.8))
 
     async def main():
         c = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
         gen = asyncio.create_task(c.completions.create(model="fake", prompt="x", max_tokens=3))
-        await asyncio.sleep(0.1)  # the engine thread is inside a 0.3 s step now
+        await asyncio.sleep(0.1)  # the engine thread is inside a 0.8 s step now
         t0 = time.perf_counter()
         await asyncio.to_thread(s.get, "/health")
         health_s = time.perf_counter() - t0
@@ -168,7 +181,7 @@ def test_event_loop_not_blocked_by_compute(make_server):
         await c.close()
         return health_s
 
-    assert asyncio.run(main()) < 0.2
+    assert asyncio.run(main()) < 0.4  # answered long before the step ends
 
 
 def test_state_endpoint(fake_server):

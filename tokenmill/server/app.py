@@ -150,6 +150,22 @@ class OpenAIServer:
             body = {**head, "choices": [choice] if choice else [], **usage_field, **extra}
             return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
+        # The delta chunk goes out once per token per stream: formatted around a pre-encoded head and tail.
+        dumps = json.dumps
+        pre = chunk({"index": 0})[:-len(b'}]}\n\n') - (len(',"usage":null') if req.include_usage else 0)] + b","
+        post = b'}]' + (b',"usage":null' if req.include_usage else b"") + b"}\n\n"
+
+        def delta_chunk(text: str, lp: dict | None, out: RequestOutput) -> bytes:
+            if chat:
+                body = '"delta":{"content":' + dumps(text) + "}" if text else '"delta":{}'
+            else:
+                body = '"text":' + dumps(text)
+            body += ',"logprobs":' + ("null" if lp is None else dumps(lp))
+            body += ',"finish_reason":' + ("null" if out.finish_reason is None else dumps(out.finish_reason))
+            if out.finished:
+                body += ',"stop_reason":' + dumps(out.stop_reason)
+            return pre + body.encode() + post
+
         try:
             if chat:
                 await resp.write(chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -160,20 +176,13 @@ class OpenAIServer:
                     final = batch[-1]
                     if final.finish_reason == "error":
                         raise EngineError(f"engine error: {final.error or 'unknown'}")
-                    text = "".join(o.new_text for o in batch)
+                    text = "".join(o.new_text for o in batch) if len(batch) > 1 else final.new_text
                     lps = [lp for o in batch for lp in (o.new_logprobs or [])]
                     if not (text or lps or final.finished):
                         continue
                     lp = self._logprobs(req, lps, offset) if req.logprobs is not None and lps else None
                     offset += len(text)
-                    choice = {"index": 0, "logprobs": lp, "finish_reason": final.finish_reason}
-                    if chat:
-                        choice["delta"] = {"content": text} if text else {}
-                    else:
-                        choice["text"] = text
-                    if final.finished:
-                        choice["stop_reason"] = final.stop_reason
-                    await resp.write(chunk(choice))
+                    await resp.write(delta_chunk(text, lp, final))
             except EngineError as e:
                 err = APIError(500, str(e), "internal_server_error", None, "engine_error")
                 await resp.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")

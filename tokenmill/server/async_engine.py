@@ -253,7 +253,8 @@ class AsyncEngine:
                 if busy:
                     self._step()
                     busy = self.engine.has_unfinished_requests()
-                self._stats = self.engine.stats()
+                else:
+                    self._stats = self.engine.stats()
             except Exception:  # noqa: BLE001 - keep the thread alive; _step handles step() itself
                 log.exception("engine thread: unexpected error")
                 busy = False
@@ -288,6 +289,7 @@ class AsyncEngine:
         finally:
             now = time.perf_counter()
             self.step_seconds += now - t0
+        self._stats = self.engine.stats()  # before the outputs reach clients: their counters include this step
         deliver = []
         for out in outputs:
             track = self._live.get(out.request_id)
