@@ -105,9 +105,9 @@ async def _http_workload(url: str, model: str, prompts: list[str], max_tokens: i
             if not stream:
                 return (await r.json())["usage"]
             usage = None
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    usage = json.loads(line[6:]).get("usage") or usage
+            async for line in r.content:  # parse only the usage chunk: a light client leaves the CPU to the server
+                if b'"usage":{' in line:
+                    usage = json.loads(line[6:])["usage"]
             return usage
 
     conn = aiohttp.TCPConnector(limit=0)
