@@ -6,7 +6,8 @@
 Workload: `--num-prompts` prompts cut from the Python standard library (seeded; input lengths uniform in
 [--min-input, --max-input] tokens), greedy, `ignore_eos` so every request generates exactly --max-tokens.
 Offline: `tokenmill.LLM.generate(prompts)` in this process. HTTP: `tokenmill serve` in a subprocess with the
-same engine options, every request sent at once with aiohttp (non-streaming, or SSE with --stream).
+same engine options; a client process per run sends every request at once with aiohttp (non-streaming, or
+SSE with --stream) and times first send to last byte.
 After one unmeasured run of a workload of its own in both modes (warm-up), repeat r runs prompts drawn
 with seed+r through both modes (no prefix-cache reuse across repeats), which of
 the two goes first alternates (the machine may be shared and its load drift). Prints a markdown table of
@@ -137,10 +138,16 @@ class Http:
             return json.loads(r.read())["engine_step_seconds"]
 
     def run(self, prompts: list[str]) -> tuple[float, int, int, float]:
+        """The client is a fresh process too (it times itself from first send to last byte), so that it
+        shares nothing with this process (which holds the offline engine)."""
         s0 = self.step_seconds()
-        wall, usages = asyncio.run(_http_workload(self.url, self.model, prompts, self.args.max_tokens,
-                                                  self.args.stream))
-        return (wall, sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages),
+        job = {"url": self.url, "model": self.model, "prompts": prompts, "max_tokens": self.args.max_tokens,
+               "stream": self.args.stream}
+        out = subprocess.run([sys.executable, __file__, "--client"], input=json.dumps(job), capture_output=True,
+                             text=True, check=True)
+        res = json.loads(out.stdout)
+        usages = res["usages"]
+        return (res["wall"], sum(u["prompt_tokens"] for u in usages), sum(u["completion_tokens"] for u in usages),
                 self.step_seconds() - s0)
 
     def close(self):
@@ -148,7 +155,19 @@ class Http:
         self.server.wait(30)
 
 
+def client_main() -> int:
+    """`--client`: one HTTP run described by JSON on stdin; prints {"wall", "usages"}."""
+    job = json.loads(sys.stdin.read())
+    wall, usages = asyncio.run(_http_workload(job["url"], job["model"], job["prompts"], job["max_tokens"],
+                                              job["stream"]))
+    print(json.dumps({"wall": wall, "usages": usages}))
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--client"]:
+        return client_main()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="demo")
     p.add_argument("--num-prompts", type=int, default=64)
