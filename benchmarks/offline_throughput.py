@@ -91,7 +91,7 @@ def bench_hf(path, prompts, outs, batch):
     return {"gen_s": gen_s, "n_out": useful, "prefill_s": pre_s}
 
 
-def bench_vllm(vllm_python, path, prompts, outs, max_model_len, budget):
+def bench_vllm(vllm_python, path, prompts, outs, max_model_len, budget, threads=None):
     with tempfile.TemporaryDirectory() as d:
         spec = Path(d) / "spec.json"
         spec.write_text(json.dumps({"model": str(path), "prompts": prompts, "outputs": outs,
@@ -99,6 +99,8 @@ def bench_vllm(vllm_python, path, prompts, outs, max_model_len, budget):
         script = Path(d) / "run_vllm.py"
         script.write_text(VLLM_SCRIPT)
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
+        if threads:  # pin vLLM's OpenMP threads to the same number of cores
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if threads == 1 else f"0-{threads - 1}"
         p = subprocess.run([vllm_python, str(script), str(spec)], capture_output=True, text=True, env=env,
                            timeout=1800)
         for line in p.stdout.splitlines():
@@ -131,12 +133,17 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--vllm-python", default="/tmp/vllm/bin/python",
                     help="python of a vllm-cpu venv (skipped when missing)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for every engine (torch threads; vLLM OpenMP cores 0..N-1)")
     ap.add_argument("--shared-prefix-requests", type=int, default=32)
     ap.add_argument("--shared-prefix-len", type=int, default=1024)
     args = ap.parse_args()
 
     from tokenmill import LLM, SamplingParams
     from tokenmill.model.config import ModelConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     cfg = ModelConfig.from_dir(args.model)
     in_lo, in_hi = map(int, args.input_len.split(":"))
@@ -155,7 +162,7 @@ def main():
         results["hf-transformers"] = bench_hf(args.model, prompts, outs, args.hf_batch)
     if args.vllm_python and Path(args.vllm_python).exists():
         results["vllm-cpu"] = bench_vllm(args.vllm_python, args.model, prompts, outs, max(max_len, 2048),
-                                         args.max_num_batched_tokens)
+                                         args.max_num_batched_tokens, args.threads)
     else:
         print(f"(vLLM-CPU not found at {args.vllm_python}: skipped)\n")
     n_prompt = sum(len(p) for p in prompts)

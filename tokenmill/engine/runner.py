@@ -24,9 +24,10 @@ def _keep_freed_memory() -> None:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
+        m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
         libc.mallopt(m_mmap_threshold, 1 << 30)
         libc.mallopt(m_trim_threshold, 4 << 30)
+        libc.mallopt(m_arena_max, 1)  # the settings hold for the main arena only: keep every thread on it
     except (OSError, AttributeError):
         pass
 
