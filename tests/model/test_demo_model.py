@@ -1,0 +1,94 @@
+"""The shipped demo models (scripts/train_demo.py): they load, have the promised shape and size, and tokenmill's
+greedy generation on them equals HF transformers' on the same directory."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.model.loader import SHIPPED_MODELS_DIR, resolve_model_path
+from tokenmill.model.tokenizer import SHIPPED_TOKENIZER_DIR
+
+transformers = pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO, DRAFT = SHIPPED_MODELS_DIR / "demo", SHIPPED_MODELS_DIR / "demo-draft"
+FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+         "training_summary.json"]
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\nclass Stack:\n    def __init__(self"]
+
+
+def hf_model(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_shipped_names_resolve():
+    assert resolve_model_path("demo") == DEMO
+    assert resolve_model_path("demo-draft") == DRAFT
+
+
+@pytest.mark.parametrize("path", [DEMO, DRAFT], ids=["demo", "demo-draft"])
+def test_shipped_dir_is_complete_hf_llama_bf16(path):
+    for name in FILES:
+        assert (path / name).is_file(), f"{path / name} missing"
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # exactly the project's tokenizer
+        assert (path / name).read_bytes() == (SHIPPED_TOKENIZER_DIR / name).read_bytes(), name
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert cfg["torch_dtype"] == "bfloat16" and cfg["vocab_size"] == 4096 and cfg["eos_token_id"] == 0
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+
+
+def test_sizes_and_draft_ratio():
+    total = sum(f.stat().st_size for d in (DEMO, DRAFT) for f in d.iterdir())
+    assert total <= 25 * 2**20, f"shipped demo models take {total / 2**20:.1f} MiB (budget 25)"
+    target, draft = hf_model(DEMO), hf_model(DRAFT)
+    n_t = sum(p.numel() for p in target.parameters())
+    n_d = sum(p.numel() for p in draft.parameters())
+    assert 2e6 <= n_t <= 10e6, n_t
+    assert 7 <= n_t / n_d <= 14, (n_t, n_d)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert target(ids).logits.shape == draft(ids).logits.shape == (1, 4, 4096)
+
+
+def load_train_demo():
+    spec = importlib.util.spec_from_file_location("train_demo", REPO / "scripts" / "train_demo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_agreement_bar_in_summary_and_on_the_shipped_weights():
+    s = json.loads((DEMO / "training_summary.json").read_text())
+    ev = s["heldout_eval"]
+    assert ev["agreement"] >= 0.6, ev
+    assert ev["target"]["loss"] < ev["draft"]["loss"]
+    assert s["command"].startswith("python scripts/train_demo.py")
+    # re-measure on 16 of the summary's held-out windows: the shipped weights are the ones measured
+    td = load_train_demo()
+    seq_len = s["hyperparameters"]["seq_len"]
+    held = td.windows(td.load_stream("heldout"), seq_len)
+    held = held[torch.linspace(0, len(held) - 1, ev["positions"] // seq_len).long()][::8]  # [16, S+1]
+    got = td.evaluate(hf_model(DEMO), hf_model(DRAFT), held, batch_size=8)
+    assert abs(got["agreement"] - ev["agreement"]) < 0.05, (got, ev)
+    assert abs(got["target"]["loss"] - ev["target"]["loss"]) < 0.3, (got, ev)
+
+
+def test_greedy_generation_matches_hf_generate():
+    from tokenmill import LLM, SamplingParams
+
+    hf = hf_model(DEMO)
+    llm = LLM("demo", kv_cache_bytes="32MiB")
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        ids = llm.tokenizer.encode(prompt)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
+                              pad_token_id=0)[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == ref, prompt
