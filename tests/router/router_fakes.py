@@ -172,3 +172,40 @@ async def sse_events(resp) -> list:
             data = line[5:].strip()
             events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
     return events
+
+
+@dataclass
+class ScriptedStream:
+    """A tokenmill-looking worker whose streaming completions are a fixed script of raw byte writes
+    `(delay_s, bytes)`, then EOF: to test the router's SSE pass-through byte for byte."""
+
+    script: list[tuple[float, bytes]] = field(default_factory=list)
+    requests: list[dict] = field(default_factory=list)
+    url: str = ""
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        return app
+
+    async def _health(self, request):
+        return web.json_response({})
+
+    async def _metrics(self, request):
+        return web.Response(text="tokenmill_engine_steps_total 1\n")
+
+    async def _models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+
+    async def _complete(self, request: web.Request):
+        self.requests.append(await request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for delay_s, data in self.script:
+            await asyncio.sleep(delay_s)
+            await resp.write(data)
+        await resp.write_eof()
+        return resp

@@ -1,12 +1,13 @@
 """The router in front of scripted fake workers (in-process aiohttp servers): proxying, retries, admission."""
 
 import asyncio
+import json
 import time
 
 import aiohttp
 import pytest
 
-from router_fakes import FakeWorker, routed, sse_events
+from router_fakes import FakeWorker, ScriptedStream, routed, sse_events
 from tokenmill.router.admission import AdmissionConfig
 from tokenmill.router.classes import WorkloadClass
 
@@ -250,3 +251,75 @@ def test_api_keys_pick_the_class_and_batch_waits_for_idle_capacity():
             text = router.metrics.render().decode()
             assert 'tokenmill_router_queue_wait_seconds_count{class="batch"} 1.0' in text
     run(main())
+
+
+def _ev(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+TOK = {"object": "text_completion", "choices": [{"index": 0, "text": " a", "finish_reason": None}], "usage": None}
+USAGE = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _routed_bytes(script, body, **overrides):
+    """What a client receives through the router from a worker that writes `script`; and the router."""
+    async def main():
+        worker = ScriptedStream(script)
+        async with routed([worker], **overrides) as (url, router), aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json={"prompt": "x", "stream": True, **body}) as r:
+                assert r.status == 200
+                data = await r.read()
+            await asyncio.sleep(0.05)
+            w = next(iter(router.pool))
+            assert (w.outstanding, w.prefill_tokens, w.decode_streams, w.decode_tokens) == (0, 0, 0, 0)
+            return data, router.metrics.render().decode()
+    return run(main())
+
+
+def test_pass_through_after_the_first_token_gives_the_client_the_same_bytes_as_parsing_every_event():
+    # tokenmill puts "usage":null in every chunk when usage is asked for (the router always asks);
+    # events coalesced in one write, one split over two, SSE comments and \r\n, the last line without "\n"
+    first = _ev({**TOK, "choices": [{"index": 0, "text": " a", "finish_reason": None}]})
+    toks = [_ev({**TOK, "choices": [{"index": 0, "text": f" t{i} \"usage\"", "finish_reason": None}]})
+            for i in range(4)]
+    usage_chunk = _ev({"object": "text_completion", "choices": [], "usage": USAGE})
+    script = [(0.0, b": keep-alive\n\n" + first), (0.02, toks[0] + toks[1]), (0.02, toks[2][:20]),
+              (0.02, toks[2][20:] + toks[3].replace(b"\n\n", b"\r\n\r\n")), (0.02, usage_chunk),
+              (0.02, b"event: x\ndata: [DONE]")]
+    want = first + b"".join(toks)
+    got, metrics = _routed_bytes(script, {"max_tokens": 5})
+    assert got == want + b"data: [DONE]\n\n"
+    assert 'tokenmill_router_requests_total{class="interactive",outcome="ok"} 1.0' in metrics
+    got, _ = _routed_bytes(script, {"max_tokens": 5, "stream_options": {"include_usage": True}})
+    assert got == want + usage_chunk + b"data: [DONE]\n\n"
+
+
+def test_pass_through_strips_usage_from_a_chunk_with_choices_when_the_client_did_not_ask():
+    last = {"object": "text_completion", "choices": [{"index": 0, "text": " b", "finish_reason": "length"}],
+            "usage": USAGE}
+    script = [(0.0, _ev(TOK)), (0.02, _ev(last) + b"data: [DONE]\n\n")]
+    got, metrics = _routed_bytes(script, {"max_tokens": 2})
+    stripped = {k: v for k, v in last.items() if k != "usage"}
+    assert got == _ev(TOK) + b"data: " + json.dumps(stripped).encode() + b"\n\n" + b"data: [DONE]\n\n"
+    assert 'tokenmill_router_requests_total{class="interactive",outcome="ok"} 1.0' in metrics
+
+
+def test_an_error_event_or_a_stall_after_the_first_token_ends_the_stream_failed():
+    err = b'data: {"error": {"message": "engine error", "type": "internal_server_error"}}\n\n'
+    got, metrics = _routed_bytes([(0.0, _ev(TOK)), (0.02, _ev(TOK) + err + _ev(TOK))], {"max_tokens": 8})
+    assert got == _ev(TOK) * 2 + err
+    assert 'tokenmill_router_requests_total{class="interactive",outcome="failed"} 1.0' in metrics
+    got, metrics = _routed_bytes([(0.0, _ev(TOK)), (0.6, _ev(TOK))], {"max_tokens": 8}, read_timeout_s=0.2)
+    assert got.startswith(_ev(TOK)) and b"[DONE]" not in got and b"TimeoutError" in got
+    assert 'tokenmill_router_requests_total{class="interactive",outcome="failed"} 1.0' in metrics
+
+
+def test_must_parse_only_events_with_an_error_or_a_usage():
+    from tokenmill.router.proxy import _must_parse
+
+    assert not _must_parse(b'{"choices":[{"text":"x"}]}')
+    assert not _must_parse(b'{"choices":[{"text":"say \\"usage\\""}],"usage":null}')
+    assert not _must_parse(b'{"choices":[],"usage" : null}')
+    assert _must_parse(b'{"choices":[],"usage":{"completion_tokens":3}}')
+    assert _must_parse(b'{"error":{"message":"x"}}')
+    assert _must_parse(b'{"choices":[{"logprobs":{"top_logprobs":[{"usage":-0.1}]}}],"usage":null}')

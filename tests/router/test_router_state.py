@@ -139,6 +139,30 @@ def test_worker_metrics_of_tokenmill_vllm_and_sglang():
     assert parse_worker_metrics(sglang) == parse_worker_metrics(sglang).__class__("sglang", 2, 7, 0.1)
     assert parse_worker_metrics("# TYPE tokenmill_x counter\ntokenmill_x_total 1\n" + vllm).kind == "tokenmill"
     assert parse_worker_metrics("").kind == "openai"
+    with pytest.raises(ValueError):
+        parse_worker_metrics("<html><body>not metrics</body></html>\n")
+
+
+def test_worker_metrics_line_scanner_agrees_with_the_prometheus_parser():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = CollectorRegistry()
+    Histogram("vllm:time_to_first_token_seconds", "ttft", ["model_name"], registry=r).labels("m").observe(0.2)
+    Counter("tokenmill_requests_rejected", "x", ["reason"], registry=r).labels('a "quoted" } reason').inc()
+    running = Gauge("vllm:num_requests_running", "r", ["model_name", "dp"], registry=r)
+    running.labels("m", "0").set(2)
+    running.labels("m", "1").set(3)
+    Gauge("vllm:num_requests_waiting", "w", ["model_name"], registry=r).labels("m").set(4)
+    Gauge("vllm:kv_cache_usage_perc", "kv", ["model_name"], registry=r).labels("m").set(0.75)
+    text = generate_latest(r).decode() + "vllm:num_requests_waiting{model_name=\"n\"} 1 1700000000000\n"
+    g = parse_worker_metrics(text)
+    assert (g.kind, g.running, g.waiting, g.kv_usage) == ("tokenmill", 5, 5, 0.75)
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    assert (sums["vllm:num_requests_running"], sums["vllm:num_requests_waiting"]) == (5, 5)
 
 
 def test_config_from_dict_merges_classes_and_names_bad_keys(tmp_path):

@@ -177,65 +177,168 @@ def _has_token(event: dict) -> bool:
     return False
 
 
+def _parse_event(data: bytes) -> dict | None:
+    try:
+        event = json.loads(data)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def _usage_of(event: dict, data: bytes, usage: dict | None, want_usage: bool) -> tuple[bytes | None, dict | None]:
+    """(the event's bytes to forward, or None to drop it; the usage seen so far). The router always asks
+    the worker for usage; a client that did not gets the chunk without it (dropped when it has no choices)."""
+    if event.get("usage"):
+        usage = event["usage"]
+        if not want_usage:
+            if not event.get("choices"):
+                return None, usage
+            event.pop("usage")
+            data = json.dumps(event).encode()
+    return data, usage
+
+
+def _must_parse(data: bytes) -> bool:
+    """After the first token: does this event need json.loads? Only an error or a non-null usage does
+    (a JSON string cannot hold the bytes `"usage"` or `"error"`: its quotes are escaped; a false positive,
+    e.g. a logprobs key, only costs a parse)."""
+    if b'"error"' in data:
+        return True
+    i = data.find(b'"usage"')
+    while i >= 0:
+        rest = data[i + 7:i + 14].lstrip()
+        if not (rest.startswith(b":") and rest[1:].lstrip().startswith(b"null")):
+            return True
+        i = data.find(b'"usage"', i + 7)
+    return False
+
+
+class _ReadWatchdog:
+    """Fails `stream` (an aiohttp StreamReader) with TimeoutError after `timeout_s` without data: one timer,
+    re-armed only when it fires, instead of a wait_for (a new Task) per read."""
+
+    def __init__(self, stream, timeout_s: float):
+        self.loop = asyncio.get_running_loop()
+        self.stream, self.timeout_s = stream, timeout_s
+        self.last = self.loop.time()
+        self.handle: asyncio.TimerHandle | None = self.loop.call_later(timeout_s, self._check)
+
+    def fed(self) -> None:
+        self.last = self.loop.time()
+
+    def _check(self) -> None:
+        idle_s = self.loop.time() - self.last
+        if idle_s >= self.timeout_s:
+            self.handle = None
+            self.stream.set_exception(asyncio.TimeoutError())
+        else:
+            self.handle = self.loop.call_later(self.timeout_s - idle_s, self._check)
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+
+
 async def _relay_stream(router: Router, ctx: RequestCtx, f: InFlight, up: aiohttp.ClientResponse,
                         request: web.Request, want_usage: bool) -> Result:
-    cfg = router.cfg
+    """Until the first token: parse every event, buffer, retry elsewhere on failure. Then: pass through."""
     buffered: list[bytes] = []
-    resp: web.StreamResponse | None = None
-    tokens, usage = 0, None
+    usage = None
     while True:
-        wait_s = cfg.read_timeout_s if resp is not None else cfg.first_token_timeout_s
         try:
-            line = await asyncio.wait_for(up.content.readline(), wait_s)
+            line = await asyncio.wait_for(up.content.readline(), router.cfg.first_token_timeout_s)
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
-            if resp is None:
-                raise Retryable("first_token_timeout" if isinstance(e, asyncio.TimeoutError) else "stream_cut") from e
-            return await _fail_stream(resp, f"the worker stream broke: {type(e).__name__}", tokens, usage)
+            raise Retryable("first_token_timeout" if isinstance(e, asyncio.TimeoutError) else "stream_cut") from e
         if not line:  # EOF without [DONE]
-            if resp is None:
-                raise Retryable("stream_cut")
-            return await _fail_stream(resp, "the worker closed the stream before [DONE]", tokens, usage)
+            raise Retryable("stream_cut")
         line = line.strip()
         if not line.startswith(b"data:"):
             continue
         data = line[5:].strip()
-        if data == b"[DONE]":
-            if resp is None:  # finished without any token (e.g. max_tokens=0): still an answer
-                router.first_token(ctx, f)
-                resp = await _open_stream(request, buffered)
-            return await _end_stream(resp, b"data: [DONE]\n\n", tokens, usage)
-        try:
-            event = json.loads(data)
-        except ValueError:
-            event = None
-        if not isinstance(event, dict):
+        if data == b"[DONE]":  # finished without any token (e.g. max_tokens=0): still an answer
+            router.first_token(ctx, f)
+            resp = await _open_stream(request, buffered)
+            return await _end_stream(resp, b"data: [DONE]\n\n", 0, usage)
+        event = _parse_event(data)
+        if event is None:
             continue
         if "error" in event:
-            if resp is None:
-                raise Retryable("error_event")
-            return await _end_stream(resp, b"data: " + data + b"\n\n", tokens, usage, "failed")
-        if event.get("usage"):
-            usage = event["usage"]
-            if not want_usage:
-                if not event.get("choices"):
-                    continue
-                event.pop("usage")
-                data = json.dumps(event).encode()
-        chunk = b"data: " + data + b"\n\n"
-        if resp is None:
-            buffered.append(chunk)
-            if _has_token(event):
-                router.first_token(ctx, f)
-                tokens += 1
-                resp = await _open_stream(request, buffered)
+            raise Retryable("error_event")
+        data, usage = _usage_of(event, data, usage, want_usage)
+        if data is None:
             continue
+        buffered.append(b"data: " + data + b"\n\n")
         if _has_token(event):
-            tokens += 1
-            router.output_tokens(f)
-        try:
-            await resp.write(chunk)
-        except (ConnectionError, RuntimeError):
-            return Result(resp, "cancelled", tokens, usage)
+            router.first_token(ctx, f)
+            resp = await _open_stream(request, buffered)
+            return await _pass_through(router, f, up, resp, usage, want_usage)
+
+
+async def _pass_through(router: Router, f: InFlight, up: aiohttp.ClientResponse, resp: web.StreamResponse,
+                        usage: dict | None, want_usage: bool) -> Result:
+    """After the first token: forward what arrived, one write per read, without parsing token events.
+
+    Each event is still re-framed as `data: ...\n\n` (other SSE lines dropped), exactly as the client got it
+    when every event was parsed; only events that may carry an error or a usage (`_must_parse`) are parsed.
+    Every other event counts as one streamed token (`_has_token` would also say so for all but an empty
+    delta); the count is batched per read and replaced by `usage.completion_tokens` at the end."""
+    tokens, tail = 1, b""
+    watchdog = _ReadWatchdog(up.content, router.cfg.read_timeout_s)
+    try:
+        while True:
+            try:
+                chunk = await up.content.readany()
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
+                return await _fail_stream(resp, f"the worker stream broke: {type(e).__name__}", tokens, usage)
+            eof = not chunk
+            if eof:  # the worker closed the stream: the last line may lack its newline
+                if not tail:
+                    return await _fail_stream(resp, "the worker closed the stream before [DONE]", tokens, usage)
+                chunk = b"\n"
+            watchdog.fed()
+            lines = (tail + chunk).split(b"\n") if tail else chunk.split(b"\n")
+            tail = lines.pop()  # b"" when the chunk ended a line
+            out: list[bytes] = []
+            n, last, outcome = 0, None, "ok"
+            for line in lines:
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    last = b"data: [DONE]\n\n"
+                    break
+                if not data.startswith(b"{"):
+                    continue  # not a JSON object: dropped, as before
+                if _must_parse(data):
+                    event = _parse_event(data)
+                    if event is None:
+                        continue
+                    if "error" in event:
+                        last, outcome = b"data: " + data + b"\n\n", "failed"
+                        break
+                    data, usage = _usage_of(event, data, usage, want_usage)
+                    if data is None:
+                        continue
+                    n += _has_token(event)
+                else:
+                    n += 1
+                out.append(b"data: " + data + b"\n\n")
+            if n:
+                tokens += n
+                router.output_tokens(f, n)
+            if last is None and eof:
+                last, outcome = _error_event("the worker closed the stream before [DONE]"), "failed"
+            if last is not None:
+                out.append(last)
+                return await _end_stream(resp, b"".join(out), tokens, usage, outcome)
+            if out:
+                try:
+                    await resp.write(b"".join(out))
+                except (ConnectionError, RuntimeError):
+                    return Result(resp, "cancelled", tokens, usage)
+    finally:
+        watchdog.cancel()
 
 
 async def _open_stream(request: web.Request, buffered: list[bytes]) -> web.StreamResponse:
@@ -257,6 +360,9 @@ async def _end_stream(resp: web.StreamResponse, last: bytes, tokens: int, usage:
     return Result(resp, outcome, tokens, usage if isinstance(usage, dict) else None)
 
 
+def _error_event(message: str) -> bytes:
+    return b"data: " + json.dumps(error_body(message, "upstream_error", "worker_failed")).encode() + b"\n\n"
+
+
 async def _fail_stream(resp: web.StreamResponse, message: str, tokens: int, usage: dict | None) -> Result:
-    event = error_body(message, "upstream_error", "worker_failed")
-    return await _end_stream(resp, b"data: " + json.dumps(event).encode() + b"\n\n", tokens, usage, "failed")
+    return await _end_stream(resp, _error_event(message), tokens, usage, "failed")

@@ -69,6 +69,7 @@ class Router:
         self.in_flight = 0  # requests accepted and not answered (held ones included)
         self._seq = itertools.count()
         self._ticker: asyncio.Task | None = None
+        self._held = asyncio.Event()  # set when a request is held: the ticker sleeps while none is
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -83,8 +84,12 @@ class Router:
                     h.future.set_exception(Refused("no-worker", 1.0, "the router is shutting down"))
 
     async def _tick(self, period_s: float = 0.02) -> None:
-        """Held requests see time pass (budgets shrink, deadlines expire) even when no work finishes."""
+        """Held requests see time pass (budgets shrink, deadlines expire) even when no work finishes.
+        With nothing held it waits for the next hold instead of waking 50 times a second."""
         while True:
+            if not self.queues.any_waiting():
+                self._held.clear()
+                await self._held.wait()
             await asyncio.sleep(period_s)
             if self.queues.any_waiting():
                 self.pump()
@@ -151,6 +156,7 @@ class Router:
         fut = asyncio.get_running_loop().create_future()
         held = Held(ctx, fut, self.clock())
         self.queues[ctx.cls.name].append(held)
+        self._held.set()
         self.pump()
         try:
             return await fut
