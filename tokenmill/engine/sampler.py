@@ -28,7 +28,9 @@ class Sampler:
         logits = logits.float()
         greedy = [p.greedy for p in params]
         tokens = torch.empty(n, dtype=torch.long, device=logits.device)
-        if any(greedy):
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        elif any(greedy):
             gi = torch.tensor([i for i in range(n) if greedy[i]], device=logits.device)
             tokens[gi] = logits[gi].argmax(dim=-1)
         rand = [i for i in range(n) if not greedy[i]]

@@ -10,7 +10,7 @@ from torch import nn
 from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding
-from tokenmill.model.linear import Linear
+from tokenmill.model.linear import Linear, PackedWeight
 
 
 class Attention(nn.Module):
@@ -74,6 +74,15 @@ class LlamaModel(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.tied_head: PackedWeight | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Once the weights are in and on their device: let each linear method repack its weights."""
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.method.process_weights_after_loading(mod)
+        if self.lm_head is None:
+            self.tied_head = PackedWeight.maybe(self.embed_tokens.weight)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -88,5 +97,7 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
         if self.lm_head is None:
+            if self.tied_head is not None:
+                return self.tied_head(hidden).float()
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()

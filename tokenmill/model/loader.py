@@ -170,4 +170,6 @@ def load_model(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.
     with torch.device("cpu"):
         model = LlamaModel(cfg, dtype, max_positions)
     load_weights(model, path, device)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    model.process_weights_after_loading()
+    return model
