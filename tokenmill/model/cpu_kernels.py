@@ -1,7 +1,9 @@
 """Optional CPU kernels, compiled on first use with the system C++ compiler (torch cpp_extension).
 
 `paged_decode_attention` reads K/V in place from the paged cache instead of gathering a padded copy;
-the pure-PyTorch path in attention.py is the fallback (and the reference the tests compare against).
+`rms_norm` (optionally adding the residual in place first), `silu_mul` and `rope_inplace` fuse the
+decoder layer's elementwise steps into one pass each. The pure-PyTorch paths in attention.py, layers.py
+and llama.py are the fallback (and the reference the tests compare against).
 Set TOKENMILL_CPU_KERNELS=0 to disable. Build output is cached under ~/.cache/torch_extensions.
 """
 
@@ -10,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+
+import torch
 
 log = logging.getLogger("tokenmill.kernels")
 _state: dict = {}
@@ -21,6 +25,13 @@ def _isa_flags() -> list[str]:
     except (OSError, IndexError):
         return []
     return ["-mavx2", "-mfma"] if "avx2" in flags and "fma" in flags else []
+
+
+def kernels_for(x) -> object | None:
+    """The compiled module when `x` is an fp32 CPU tensor it can work on, else None (use PyTorch)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return None
+    return get_kernels()
 
 
 def get_kernels():
@@ -42,7 +53,7 @@ def get_kernels():
         log.info("loading the CPU attention kernel (compiled once per machine, ~1 minute the first time)")
 
         isa = _isa_flags()
-        name = "tokenmill_cpu_kernels_v3" + ("_avx2" if isa else "")
+        name = "tokenmill_cpu_kernels_v4" + ("_avx2" if isa else "")
         src = Path(__file__).parent / "csrc" / "paged_decode.cpp"
         _state["mod"] = load(name=name, sources=[str(src)], extra_cflags=["-O3", "-fopenmp", *isa],
                              extra_ldflags=["-fopenmp"], verbose=False)

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from tokenmill.model.cpu_kernels import kernels_for
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
@@ -14,7 +16,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x); with `residual`, first x += residual in place (the decoder's residual stream)."""
+        k = kernels_for(x)
+        if k is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            out = torch.empty_like(x)
+            k.rms_norm(out, x, residual, self.weight, self.eps)
+            return out
+        if residual is not None:
+            x.add_(residual)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -54,6 +64,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [T]; q: [T, nh, hd]; k: [T, nkv, hd]
+        k_ = kernels_for(q)
+        if k_ is not None and q.stride(-1) == 1 and k.stride(-1) == 1 and positions.dtype == torch.int64:
+            k_.rope_inplace(q, positions, self.cos, self.sin)  # q, k are fresh views of this step's qkv
+            k_.rope_inplace(k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [T, 1, hd/2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -9,6 +9,7 @@ from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.cpu_kernels import kernels_for
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding
 from tokenmill.model.linear import Linear, PackedWeight
 
@@ -44,7 +45,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, dtype=dtype)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gu = self.gate_up_proj(x)
+        k = kernels_for(gu)
+        if k is not None and gu.is_contiguous():
+            h = torch.empty(*gu.shape[:-1], self.inter, dtype=gu.dtype)
+            k.silu_mul(h, gu)
+            return self.down_proj(h)
+        gate, up = gu.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -57,8 +64,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, dtype)
 
     def forward(self, x, positions, rope, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """x is the residual stream; this layer owns it (it is updated in place and returned)."""
+        a = self.self_attn(self.input_layernorm(x), positions, rope, cache, meta)
+        h = self.post_attention_layernorm(x, residual=a)  # x += a, then norm
+        return x.add_(self.mlp(h))
 
 
 class LlamaModel(nn.Module):

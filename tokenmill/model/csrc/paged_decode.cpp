@@ -163,6 +163,108 @@ void paged_decode_attention(
   });
 }
 
+
+// ---- fused elementwise ops of the decoder layer (fp32, rows of a [T, dim] activation) ----
+
+static inline float sumsq(const float* x, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#ifdef TM_AVX2
+  __m256 a = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) { __m256 v = _mm256_loadu_ps(x + i); a = _mm256_fmadd_ps(v, v, a); }
+  s = hsum256(a);
+#endif
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
+}
+
+// out = x * rsqrt(mean(x^2) + eps) * w; with `residual` given, first x += residual (in place)
+void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w,
+              double eps) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && w.is_contiguous(), "contiguous");
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* rp = nullptr;
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->is_contiguous(), "contiguous");
+    rp = residual->data_ptr<float>();
+  }
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* xr = xp + r * dim;
+      if (rp) {
+        const float* rr = rp + r * dim;
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) xr[i] += rr[i];
+      }
+      const float inv = 1.f / std::sqrt(sumsq(xr, dim) / (float)dim + (float)eps);
+      float* o = op + r * dim;
+#pragma omp simd
+      for (int64_t i = 0; i < dim; ++i) o[i] = wp[i] * (xr[i] * inv);
+    }
+  });
+}
+
+// out[t, i] = silu(gu[t, i]) * gu[t, I + i]   (gu: [T, 2I], the fused gate_up projection)
+void silu_mul(torch::Tensor out, torch::Tensor gu) {
+  TORCH_CHECK(gu.is_contiguous() && out.is_contiguous(), "contiguous");
+  const int64_t I = out.size(-1), rows = out.numel() / I;
+  const float* gp = gu.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = gp + r * 2 * I;
+      const float* u = g + I;
+      float* o = op + r * I;
+      int64_t i = 0;
+#ifdef TM_AVX2
+      const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+      for (; i + 8 <= I; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+}
+
+// neox rotary embedding in place on x [T, heads, hd] (any row/head stride, contiguous last dim):
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, halves of hd; cos/sin: [max_pos, hd/2]
+void rope_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous(), "layout");
+  const int64_t T = x.size(0), H = x.size(1), half = x.size(2) / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  float* xp = x.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " outside the rotary table");
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + pos[t] * half;
+      const float* s = sp + pos[t] * half;
+      for (int64_t h = 0; h < H; ++h) {
+        float* x1 = xp + t * s0 + h * s1;
+        float* x2 = x1 + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x1[i], b = x2[i];
+          x1[i] = a * c[i] - b * s[i];
+          x2[i] = b * c[i] + a * s[i];
+        }
+      }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (CPU, fp32)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection (CPU, fp32)");
+  m.def("rope_inplace", &rope_inplace, "neox rotary embedding in place (CPU, fp32)");
 }

@@ -1,0 +1,57 @@
+"""The fused CPU ops against their PyTorch definitions (odd sizes exercise the scalar tails)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.cpu_kernels import get_kernels
+from tokenmill.model.layers import RotaryEmbedding, _rotate
+
+kernels = get_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ toolchain: the PyTorch paths are used")
+
+
+@pytest.mark.parametrize("dim", [64, 36, 5])
+def test_rms_norm_with_and_without_residual(dim):
+    g = torch.Generator().manual_seed(dim)
+    x = torch.randn(33, dim, generator=g) * 3
+    res = torch.randn(33, dim, generator=g)
+    w = torch.rand(dim, generator=g) + 0.5
+
+    def ref(v):
+        return w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    out = torch.empty_like(x)
+    kernels.rms_norm(out, x, None, w, 1e-6)
+    torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-5)
+    x2 = x.clone()
+    kernels.rms_norm(out, x2, res, w, 1e-6)
+    torch.testing.assert_close(x2, x + res)  # the residual stream is updated in place
+    torch.testing.assert_close(out, ref(x + res), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("inter", [1408, 20])
+def test_silu_mul(inter):
+    gu = torch.randn(17, 2 * inter, generator=torch.Generator().manual_seed(1)) * 4
+    out = torch.empty(17, inter)
+    kernels.silu_mul(out, gu)
+    gate, up = gu.split(inter, dim=-1)
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hd", [64, 36])
+def test_rope_in_place_on_strided_views(hd):
+    rope = RotaryEmbedding(hd, 512, 10000.0, None)
+    t, nh, nkv = 9, 4, 2
+    qkv = torch.randn(t, (nh + 2 * nkv) * hd, generator=torch.Generator().manual_seed(2))
+    q, k, _ = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+    q, k = q.view(t, nh, hd), k.view(t, nkv, hd)
+    pos = torch.tensor([0, 1, 2, 100, 101, 7, 511, 300, 3])
+    cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
+    want_q, want_k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    kernels.rope_inplace(q, pos, rope.cos, rope.sin)
+    kernels.rope_inplace(k, pos, rope.cos, rope.sin)
+    torch.testing.assert_close(q, want_q)
+    torch.testing.assert_close(k, want_k)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        kernels.rope_inplace(q, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 512]), rope.cos, rope.sin)
