@@ -55,3 +55,19 @@ def test_rope_in_place_on_strided_views(hd):
     torch.testing.assert_close(k, want_k)
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         kernels.rope_inplace(q, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 512]), rope.cos, rope.sin)
+
+
+def test_write_kv_matches_the_indexing_definition():
+    from tokenmill.model.attention import write_kv
+
+    g = torch.Generator().manual_seed(3)
+    cache = torch.zeros(2, 6, 2, 4, 8)
+    kv = torch.randn(5, 3 * 2 * 8, generator=g)  # strided views, as the model passes them
+    k, v = kv[:, 16:32].view(5, 2, 8), kv[:, 32:].view(5, 2, 8)
+    slots = torch.tensor([0, 5, 6, 23, 12])
+    want = cache.clone()
+    write_kv(want, k, v, slots)
+    kernels.write_kv(cache[0], cache[1], k, v, slots)
+    torch.testing.assert_close(cache, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.write_kv(cache[0], cache[1], k, v, torch.tensor([0, 1, 2, 3, 24]))

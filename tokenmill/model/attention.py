@@ -66,7 +66,11 @@ def gather_kv(cache_kv: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, nh, hd]; k, v: [T, kvh, hd] (this step's new tokens). Returns [T, nh, hd]."""
-    write_kv(cache, k, v, meta.slot_mapping)
+    kernels = _cpu_kernels(q, cache)
+    if kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
+        kernels.write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+    else:
+        write_kv(cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     nh, kvh = q.shape[1], k.shape[1]
     gqa = nh != kvh
@@ -91,8 +95,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     if meta.decode_token_idx is not None:
         idx = meta.decode_token_idx
         d = idx.shape[0]
-        kernels = _cpu_kernels(q, cache)
         if kernels is not None:  # K/V read in place from the cache, no padded gather
+            if not meta.spans and d == q.shape[0]:  # a pure decode step: tokens are in order, no copies
+                kernels.paged_decode_attention(out, q, cache[0], cache[1], meta.decode_block_tables,
+                                               meta.decode_ctx_lens, scale, meta.sliding_window or 0)
+                return out
             qd = q.index_select(0, idx)  # [D, nh, hd]
             od = torch.empty_like(qd)
             kernels.paged_decode_attention(od, qd, cache[0], cache[1], meta.decode_block_tables,

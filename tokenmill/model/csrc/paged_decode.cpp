@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <vector>
+#include <cstring>
 #include <limits>
 #include <algorithm>
 
@@ -262,9 +263,34 @@ void rope_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, t
   });
 }
 
+
+// cache[blk, h, off, :] = kv[t, h, :] for K and V, with slot = blk * bs + off per new token
+void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k.stride(2) == 1 && v.stride(2) == 1,
+              "layout");
+  const int64_t T = k.size(0), kvh = k.size(1), hd = k.size(2);
+  const int64_t NB = k_cache.size(0), bs = k_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < NB * bs, "slot out of range");
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t blk = slots[t] / bs, off = slots[t] % bs;
+    for (int64_t h = 0; h < kvh; ++h) {
+      const int64_t dst = ((blk * kvh + h) * bs + off) * hd;
+      std::memcpy(kc + dst, kp + t * k.stride(0) + h * k.stride(1), hd * sizeof(float));
+      std::memcpy(vc + dst, vp + t * v.stride(0) + h * v.stride(1), hd * sizeof(float));
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (CPU, fp32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection (CPU, fp32)");
+  m.def("write_kv", &write_kv, "write this step's K/V into their cache slots (CPU, fp32)");
   m.def("rope_inplace", &rope_inplace, "neox rotary embedding in place (CPU, fp32)");
 }
