@@ -176,7 +176,7 @@ def main():
 
     # decode at batch 1 vs the bandwidth floor
     bw = measure_read_bandwidth()
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    weight_bytes = llm.engine.runner.model.weight_bytes  # as loaded (before any repacking)
     floor_ms = weight_bytes / bw * 1000
     p = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     llm.generate([prompts[0][:32]], SamplingParams(max_tokens=8, ignore_eos=True))

@@ -77,6 +77,8 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         layer.packed = PackedWeight.maybe(layer.weight)
+        if layer.packed is not None:  # the packed copy is all apply() reads: do not hold the weights twice
+            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
 
 
 LINEAR_METHODS: dict[str, Callable[[], LinearMethod]] = {"none": UnquantizedLinearMethod}

@@ -87,6 +87,7 @@ class LlamaModel(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Once the weights are in and on their device: let each linear method repack its weights."""
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())  # as loaded
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.method.process_weights_after_loading(mod)
