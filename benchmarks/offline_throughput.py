@@ -110,6 +110,49 @@ def bench_vllm(vllm_python, path, prompts, outs, max_model_len, budget, threads=
         raise RuntimeError("vLLM run failed")
 
 
+def best_gemm_rate(m: int, k: int, n: int) -> float:
+    """FLOP/s of y = x W^T at [m, k] x [n, k], the best of F.linear (MKL) and oneDNN with prepacked
+    weights, at the current torch thread count."""
+    import torch.nn.functional as F
+
+    from tokenmill.model.linear import PackedWeight
+
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    fns = [lambda: F.linear(x, w)]
+    packed = PackedWeight.maybe(w)
+    if packed is not None:
+        fns.append(lambda: packed(x))
+    best = 0.0
+    reps = max(2, int(2e9 / (2 * m * k * n)))
+    for fn in fns:
+        fn()
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t))
+    return best
+
+
+def gemm_floor_s(cfg, n_prompt: int, n_requests: int, n_decode: int) -> tuple[float, float]:
+    """(GFLOP, seconds) of the workload's matmuls alone at this CPU's best measured GEMM rates: every
+    prompt token through every projection, one lm_head row per request for its first token, and every later
+    output token through projections + lm_head at a batch of 64. Attention and everything else cost more:
+    a lower bound on any engine's time."""
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes = [(h, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd),
+              (cfg.num_attention_heads * hd, h), (h, 2 * inter), (inter, h)]
+    flops = secs = 0.0
+    for k, n in shapes:
+        for m, tokens in ((1024, n_prompt), (64, n_decode)):
+            f = 2.0 * k * n * tokens * cfg.num_hidden_layers
+            flops, secs = flops + f, secs + f / best_gemm_rate(m, k, n)
+    for m, tokens in ((64, n_requests + n_decode),):
+        f = 2.0 * h * cfg.vocab_size * tokens
+        flops, secs = flops + f, secs + f / best_gemm_rate(m, h, cfg.vocab_size)
+    return flops / 1e9, secs
+
+
 def measure_read_bandwidth() -> float:
     x = torch.ones(256 << 20 >> 2)  # 256 MiB of fp32, well beyond the caches
     x.sum()
@@ -173,6 +216,11 @@ def main():
         out_tps = r["n_out"] / r["gen_s"]
         print(f"| {name} | {out_tps:.0f} | {(r['n_out'] + n_prompt) / r['gen_s']:.0f} | "
               f"{n_prompt / r['prefill_s']:.0f} | {(base['n_out'] / base['gen_s']) / out_tps:.2f}x |")
+    gflop, floor_s = gemm_floor_s(cfg, n_prompt, len(prompts), sum(outs) - len(outs))
+    print(f"\nMatmul floor of this workload: {gflop:.0f} GFLOP at this CPU's best measured fp32 GEMM rates "
+          f"({torch.get_num_threads()} thread(s)) = {floor_s:.1f} s, i.e. at most {sum(outs) / floor_s:.0f} output "
+          f"tok/s for any engine; " + ", ".join(f"{name} {r['gen_s']:.1f} s ({floor_s / r['gen_s']:.0%} of it)"
+                                                  for name, r in results.items()))
 
     # decode at batch 1 vs the bandwidth floor
     bw = measure_read_bandwidth()
