@@ -162,11 +162,17 @@ def router_estimates(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
+    learned: dict[str, dict[str, float]] = {}  # per worker: the learned prefill fit
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[s.name] = out.get(s.name, 0.0) + s.value
-    return {k: out.get(f"tokenmill_router_{k}_total", 0.0) for k in
-            ("estimated_prefix_hit_tokens", "reported_cached_tokens", "prompt_tokens", "retries")}
+            for gauge, key in (("worker_prefill_rate_tokens_per_second", "prefill_rate_tps"),
+                               ("worker_prefill_overhead_seconds", "prefill_overhead_s")):
+                if s.name == f"tokenmill_router_{gauge}":
+                    learned.setdefault(s.labels.get("worker", ""), {})[key] = s.value
+    return {**{k: out.get(f"tokenmill_router_{k}_total", 0.0) for k in
+               ("estimated_prefix_hit_tokens", "reported_cached_tokens", "prompt_tokens", "retries")},
+            "learned": learned}
 
 
 def row(name: str, result: dict, counters: list[dict[str, float]]) -> dict:
@@ -188,14 +194,14 @@ def row(name: str, result: dict, counters: list[dict[str, float]]) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = ("| router | goodput (req/s) | SLO attainment | success | TTFT p50 / p90 (ms) | TPOT p90 (ms) | "
-            "prefix-cache hit rate | requests per worker |")
+            "prefix-cache hit rate | requests per worker, busiest first |")
     lines = [head, "|" + "---|" * 8]
     for r in rows:
         ttft = f"{r['ttft_p50_ms']:.0f} / {r['ttft_p90_ms']:.0f}" if r["ttft_p90_ms"] is not None else "-"
         tpot = f"{r['tpot_p90_ms']:.0f}" if r["tpot_p90_ms"] is not None else "-"
         lines.append(f"| {r['router']} | {r['goodput']:.2f} | {100 * r['attainment']:.0f}% | "
                      f"{100 * r['success']:.0f}% | {ttft} | {tpot} | {100 * r['worker_hit_rate']:.0f}% | "
-                     f"{' / '.join(map(str, r['per_worker']))} |")
+                     f"{' / '.join(map(str, sorted(r['per_worker'], reverse=True)))} |")
     return "\n".join(lines)
 
 

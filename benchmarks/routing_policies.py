@@ -32,10 +32,12 @@ def workloads(args) -> list[str]:
 
 
 def mean_row(name: str, rs: list[dict]) -> dict:
-    """The average of several runs' rows (per-worker request counts summed)."""
+    """The average of several runs' rows. Requests per worker: each run's counts sorted busiest first, then
+    averaged (which worker ends up hot differs from run to run, so summing by port would hide a hot spot)."""
     avg = {k: (sum(r[k] for r in rs) / len(rs) if all(r[k] is not None for r in rs) else None)
            for k in rs[0] if isinstance(rs[0][k], (int, float))}
-    return {**avg, "router": name, "per_worker": [sum(c) for c in zip(*(r["per_worker"] for r in rs))]}
+    ranked = [sorted(r["per_worker"], reverse=True) for r in rs]
+    return {**avg, "router": name, "per_worker": [round(sum(c) / len(rs)) for c in zip(*ranked)]}
 
 
 def main() -> int:

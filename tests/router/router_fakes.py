@@ -10,6 +10,7 @@ import asyncio
 import functools
 import json
 import math
+import random
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -209,3 +210,29 @@ class ScriptedStream:
             await resp.write(data)
         await resp.write_eof()
         return resp
+
+
+def simulate_worker(hit_share: float, arrivals_per_s: float, seed: int, overhead_s: float = 0.12,
+                    rate_tps: float = 4000.0, n: int = 400, url: str = "http://w:1"):
+    """A FIFO worker serving 64-token cache hits and 832-token misses, each in overhead + tokens / rate
+    (±10%), observed the way the router observes it: sent at arrival, first token at completion."""
+    from tokenmill.router.rates import RatePriors
+    from tokenmill.router.worker_state import WorkerSpec, WorkerState
+
+    rng = random.Random(seed)
+    w = WorkerState(WorkerSpec(url), RatePriors())
+    w.healthy = True
+    t, free_at, events = 0.0, 0.0, []
+    for i in range(n):
+        t += rng.expovariate(arrivals_per_s)
+        uncached = 64 if rng.random() < hit_share else 832
+        free_at = max(t, free_at) + (overhead_s + uncached / rate_tps) * rng.uniform(0.9, 1.1)
+        events += [(t, 0, i, uncached), (free_at, 1, i, uncached)]
+    sent = {}
+    for now, kind, i, uncached in sorted(events):
+        if kind == 0:
+            sent[i] = w.start(str(i), uncached, 0.1, now)
+        else:
+            w.first_token(sent[i], now)
+            w.finish(sent[i], now, output_tokens=1)
+    return w

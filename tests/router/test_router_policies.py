@@ -7,6 +7,8 @@ import pytest
 from tokenmill.router.policies import POLICIES, PolicyParams, get_policy, prefix_load_cost_s, register_policy
 from tokenmill.router.snapshot import RouteRequest, RouteSnapshot, WorkerView
 
+from router_fakes import simulate_worker
+
 P = PolicyParams()
 
 
@@ -105,3 +107,56 @@ def test_prefix_load_counts_running_streams_not_their_remaining_output_as_queue(
     assert get_policy("prefix-load")(snap(streaming, cold), P).worker == "streaming"
     busy = WorkerView("busy", outstanding=3, decode_streams=60, cached_prefix_tokens=900)  # 60 x 32 + 2 x 100 > 2 x 1000
     assert get_policy("prefix-load")(snap(busy, WorkerView("idle", outstanding=3)), P).worker == "idle"
+
+
+def loaded(view, outstanding, streams, pending=(), cached=0):
+    """`view` with `streams` decoding and `pending` prefills (uncached tokens each) outstanding."""
+    return dataclasses.replace(view, outstanding=outstanding, decode_streams=streams, prefill_requests=len(pending),
+                               prefill_tokens=sum(pending), cached_prefix_tokens=cached)
+
+
+def learned_pair():
+    """Two workers of the same true speed (0.12 s per request + tokens / 4000 tps) whose fits learned from
+    different traffic: `hot` served mostly 64-token cache hits, `cold` mostly 832-token misses."""
+    hot = simulate_worker(hit_share=0.9, arrivals_per_s=4.0, seed=3).view()
+    cold = simulate_worker(hit_share=0.1, arrivals_per_s=2.0, seed=4).view()
+    return dataclasses.replace(hot, url="hot"), dataclasses.replace(cold, url="cold")
+
+
+def test_prefix_load_keeps_a_hot_prompt_on_the_worker_that_caches_it_when_loads_are_near_even():
+    hot, cold = learned_pair()
+    assert hot.prefill_rate_tps == pytest.approx(cold.prefill_rate_tps, rel=0.2)
+    # an 832-token request whose 768-token system prompt is cached on `hot` (the docs/router.md example)
+    for h, c in [((12, 12), (8, 8)), ((5, 3, [64, 64]), (4, 3, [832])), ((3, 3), (1, 1))]:
+        s = snap(loaded(hot, *h, cached=768), loaded(cold, *c), prompt_tokens=832)
+        assert get_policy("prefix-load")(s, P).worker == "hot", (h, c)
+    # with one busy-seconds rate per worker (tokens / busy s: 427 tok/s on the hit-heavy worker, 2377 on the
+    # miss-only one, no per-request term) the same 12-vs-8-streams case went to `cold`
+    old_hot = dataclasses.replace(hot, ttft_base_s=0.02, prefill_rate_tps=427.0)
+    old_cold = dataclasses.replace(cold, ttft_base_s=0.02, prefill_rate_tps=2377.0)
+    s = snap(loaded(old_hot, 12, 12, cached=768), loaded(old_cold, 8, 8), prompt_tokens=832)
+    assert get_policy("prefix-load")(s, dataclasses.replace(P, guard_abs=100)).worker == "cold"
+
+
+def test_prefix_load_still_moves_a_hot_prompt_off_an_overloaded_cached_worker():
+    hot, cold = learned_pair()
+    guarded = snap(loaded(hot, 14, 14, cached=768), loaded(cold, 8, 8), prompt_tokens=832)  # 14 - 8 > 4, 14 > 1.5 x 8
+    assert get_policy("prefix-load")(guarded, P).worker == "cold"
+    assert get_policy("prefix")(guarded, P).worker == "hot"
+    # a queue of pending prefills costs its per-request overhead each: 7 x 0.12 s > the miss's 2 x 832 tokens
+    queued = snap(loaded(hot, 7, 0, [64] * 7, cached=768), loaded(cold, 4, 4), prompt_tokens=832)
+    choice = get_policy("prefix-load")(queued, P)
+    assert choice.worker == "cold" and dict(choice.costs)["cold"] < dict(choice.costs)["hot"]
+
+
+def test_predicted_ttft_and_queue_count_the_overhead_once_per_pending_request():
+    from tokenmill.router.policies import queue_s
+    from tokenmill.router.snapshot import predicted_ttft_s
+
+    w = WorkerView("w", ttft_base_s=0.1, prefill_rate_tps=1000.0, prefill_requests=3, prefill_tokens=600,
+                   decode_streams=2, cached_prefix_tokens=800)
+    r = RouteRequest("r", 0.0, 0.0, 1000)
+    assert predicted_ttft_s(w, r) == pytest.approx(4 * 0.1 + (600 + 200) / 1000)
+    assert queue_s(w, P) == pytest.approx(3 * 0.1 + (600 + 2 * P.decode_stream_tokens) / 1000)
+    assert prefix_load_cost_s(w, snap(w, prompt_tokens=1000), P) == pytest.approx(
+        0.1 + (1 + P.miss_weight) * 200 / 1000 + queue_s(w, P))

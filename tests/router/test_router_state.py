@@ -10,8 +10,10 @@ import pytest
 from tokenmill.router.config import RouterConfig, config_from_dict, load_config
 from tokenmill.router.prefix_index import PrefixIndex, PrefixIndexConfig, chunk_hashes
 from tokenmill.router.prompt import TokenEstimator, prompt_key
-from tokenmill.router.rates import LinearFit, RatePriors, ServiceRate
+from tokenmill.router.rates import LinearFit, PrefillFit, RatePriors, ServiceRate
 from tokenmill.router.worker_state import WorkerSpec, WorkerState
+
+from router_fakes import simulate_worker
 from tokenmill.router.worker_metrics import parse_worker_metrics
 from tokenmill.errors import InvalidRequestError
 
@@ -110,21 +112,53 @@ def test_service_rate_counts_tokens_per_busy_second_not_idle_time():
     assert rate.tps == pytest.approx(1250.0)
 
 
-def test_worker_state_learns_its_prefill_rate_from_first_tokens():
+def test_worker_state_learns_its_prefill_fit_from_first_tokens():
     w = WorkerState(WorkerSpec("http://w:1"), RatePriors(rate_window_s=0.1))
     a = w.start("a", 300, 0.1, now=0.0)
     b = w.start("b", 300, 0.2, now=0.0)
-    assert (w.outstanding, w.prefill_tokens) == (2, 600)
+    assert (w.outstanding, w.prefill_tokens, w.view().prefill_requests) == (2, 600, 2)
     w.first_token(a, now=0.15)
-    w.first_token(b, now=0.3)  # two windows of 300 tokens in 0.15 busy seconds
-    assert w.rates.prefill_rate_tps == pytest.approx(2000.0)
-    assert (w.prefill_tokens, w.decode_streams) == (0, 2)
+    w.first_token(b, now=0.3)  # two windows of one 300-token request in 0.15 busy seconds
+    assert w.rates.prefill.predict(1, 300) == pytest.approx(0.15, rel=0.1)  # one length: only the sum is known
+    assert (w.prefill_tokens, w.decode_streams, w.view().prefill_requests) == (0, 2, 0)
     w.finish(a, now=1.15, output_tokens=11)  # 0.1 s per token
     c = w.start("c", 100, 0.1, now=1.2)
     w.finish(c, now=1.3, output_tokens=0)  # failed before its first token: no tokens served
     view = w.view()
     assert (view.outstanding, view.prefill_tokens, view.decode_streams) == (1, 0, 1)
     assert view.rate_samples == 2 and view.tpot_base_s + view.tpot_per_stream_s > 0.01
+
+
+def test_prefill_fit_separates_the_per_request_overhead_from_the_per_token_rate():
+    fit = PrefillFit(overhead_s=0.02, rate_tps=8192.0, window_s=0.25)
+    assert (fit.overhead_s, fit.rate_tps) == (0.02, 8192.0)
+    rng = random.Random(1)
+    for _ in range(100):  # true: 0.1 s per request + tokens / 3000 tps
+        n = rng.randint(1, 4)
+        tokens = sum(rng.choice((64, 832)) for _ in range(n))
+        fit.update(n, tokens, (0.1 * n + tokens / 3000) * rng.uniform(0.95, 1.05))
+    assert fit.rate_tps == pytest.approx(3000, rel=0.1)
+    assert fit.overhead_s == pytest.approx(0.1, rel=0.1)
+    before = (fit.overhead_s, fit.rate_tps)
+    for bad in [(-1, 10, 1.0), (1, math.nan, 1.0), (1, 10, math.inf), (0, 0, 1.0)]:
+        fit.update(*bad)
+    assert (fit.overhead_s, fit.rate_tps) == before
+    through_origin = PrefillFit(overhead_s=0.05, rate_tps=2000.0, window_s=0.25)
+    for _ in range(30):  # no per-request cost at all: the overhead goes to 0, never below
+        through_origin.update(1, 1000, 1000 / 4000)
+        through_origin.update(2, 100, 100 / 4000)
+    assert through_origin.overhead_s >= 0 and through_origin.rate_tps == pytest.approx(4000, rel=0.15)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_hit_heavy_and_miss_heavy_workers_of_the_same_speed_learn_the_same_rate(seed):
+    hits = simulate_worker(hit_share=0.8, arrivals_per_s=3.5, seed=seed)
+    misses = simulate_worker(hit_share=0.2, arrivals_per_s=2.0, seed=seed + 100)
+    # tokens / busy seconds would say ~1250 vs ~2340 tok/s; the fit finds the true 4000 and 0.12 s for both
+    for w in (hits, misses):
+        assert w.rates.prefill_rate_tps == pytest.approx(4000, rel=0.2)
+        assert w.rates.ttft_base_s == pytest.approx(0.12, rel=0.2)
+    assert hits.rates.prefill_rate_tps == pytest.approx(misses.rates.prefill_rate_tps, rel=0.15)
 
 
 def test_worker_metrics_of_tokenmill_vllm_and_sglang():

@@ -1,13 +1,17 @@
 """Routing policies: pure functions (RouteSnapshot, PolicyParams) -> RouteChoice. No I/O, no clock.
 
     round-robin   the (seq mod n)-th routable worker
-    least-load    fewest outstanding requests; ties: least outstanding work (work_w / prefill_rate_w, below)
+    least-load    fewest outstanding requests; ties: least outstanding work (queue_w, below)
     prefix        longest estimated cached prefix; ties (and no hit anywhere): least-load
     prefix-load   (default) least estimated cost among the workers the load guard allows:
-                      cost_w = ttft_base_w + ((1 + κ)·uncached_w + work_w) / prefill_rate_w
-                      work_w = prefill_tokens_w + λ·decode_streams_w          (outstanding work, tokens)
-                  i.e. the uncached prefill after the prefix hit plus the worker's outstanding work, in
-                  seconds of that worker's learned prefill rate. A running stream counts λ tokens: it does
+                      cost_w  = c0_w + (1 + κ)·uncached_w / rate_w + queue_w
+                      queue_w = c0_w·prefill_requests_w + work_w / rate_w      (outstanding work, seconds)
+                      work_w  = prefill_tokens_w + λ·decode_streams_w          (outstanding work, tokens)
+                  with the worker's learned prefill fit: c0_w (ttft_base_s) per request whatever its
+                  length, rate_w (prefill_rate_tps) per uncached token. I.e. this request's own prefill
+                  after the prefix hit plus the worker's outstanding work, in seconds. The per-request
+                  overhead is not divided by a rate: a short (cache-hit) request costs c0 + its few tokens,
+                  so a worker serving mostly hits does not look slow per token. A running stream counts λ tokens: it does
                   not queue in front of a new prompt (continuous batching), it only slows the shared steps;
                   its remaining output (decode_tokens) is deliberately not counted as a queue. κ (miss_weight) counts a cache miss's prefill a
                   second time: it is not only this request's wait but work added in front of every request
@@ -26,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from tokenmill.router.snapshot import RouteSnapshot, WorkerView, uncached_tokens
+from tokenmill.router.snapshot import RouteSnapshot, WorkerView, prefill_time_s, uncached_tokens
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,13 @@ def work_tokens(w: WorkerView, p: PolicyParams) -> float:
     return w.prefill_tokens + p.decode_stream_tokens * w.decode_streams
 
 
+def queue_s(w: WorkerView, p: PolicyParams) -> float:
+    """Outstanding work on w in seconds: pending prefills (overhead + tokens) plus λ tokens per stream."""
+    return prefill_time_s(w, w.prefill_requests, work_tokens(w, p))
+
+
 def _load_key(w: WorkerView, p: PolicyParams) -> tuple:
-    return (w.outstanding, work_tokens(w, p) / w.prefill_rate_tps, w.url)
+    return (w.outstanding, queue_s(w, p), w.url)
 
 
 NO_WORKER = RouteChoice(None, "no-worker")
@@ -111,8 +120,8 @@ def prefix(snap: RouteSnapshot, p: PolicyParams) -> RouteChoice:
 
 
 def prefix_load_cost_s(w: WorkerView, snap: RouteSnapshot, p: PolicyParams) -> float:
-    work = (1 + p.miss_weight) * uncached_tokens(w, snap.request) + work_tokens(w, p)
-    return w.ttft_base_s + work / w.prefill_rate_tps
+    own_s = prefill_time_s(w, 1, (1 + p.miss_weight) * uncached_tokens(w, snap.request))
+    return own_s + queue_s(w, p)
 
 
 def load_guard(workers: tuple[WorkerView, ...], p: PolicyParams) -> tuple[WorkerView, ...]:

@@ -1,17 +1,29 @@
 """Online estimates of a worker's speed, learned from what the router observes.
 
-Prefill: a service rate, not a latency regression. While the worker has prefill pending (router-sent,
-first token not seen) its busy time accumulates; each first token adds that request's uncached prompt
-tokens to the work done. Every `window_s` of busy time gives a sample
+Prefill: a service-time model fitted over busy windows, not a latency regression. While the worker has
+prefill pending (router-sent, first token not seen) its busy clock runs; each first token adds one request
+and that request's uncached prompt tokens to the work done. Every `window_s` of busy time closes a window
+(requests n, tokens N, busy seconds T), and
 
-    prefill_rate_tps = tokens done / busy seconds          (EWMA, alpha `rate_alpha`; the first sample
-                                                            replaces the prior outright)
+    T ≈ overhead_s · n + N / prefill_rate_tps
 
-This counts what continuous batching really delivers (decode interference and per-step overhead
-included) and does not care in which order the engine serves prefills. It underestimates a lightly
-loaded worker (latency overhead counts as busy time), which only makes admission conservative there.
-The decode rate is the same kind of estimate: output tokens streamed per second while any stream of the
-worker is decoding.
+is fitted by exponentially-forgetting least squares without intercept (decay per window, memory
+~1/(1-decay) windows) plus a fixed prior, half of its weight on a pseudo-window of one request and no
+tokens (T = overhead prior) and half on one of `token_scale` tokens and no request (T = token_scale /
+rate prior). `overhead_s` is what every request costs whatever its length (scheduling, the engine step it
+waits for, its first decode step, HTTP); `prefill_rate_tps` is the marginal cost of a prompt token. One
+rate, tokens / busy seconds, mixes the two: a worker serving mostly prefix-cache hits does few tokens per
+request, so its rate looks several times lower than a worker of the same speed serving misses, and a
+policy that divides tokens by that rate moves hot prompts away from the worker that caches them. With
+the two separated, workers of the same speed learn the same per-token rate whatever their hit mix (as
+long as the mix varies a little: a worker that only ever sees one prompt length cannot tell the two apart
+and keeps the prior's split of its per-request time). Under continuous batching, requests that share
+steps share their overhead: the fit then learns the amortized overhead, which is what a queue of them
+costs. Busy windows count what the engine really delivers (decode interference included) and do not care
+in which order it serves prefills.
+
+The decode rate is a plain service rate (`ServiceRate`): output tokens streamed per second while any
+stream of the worker is decoding (reported, not used by a decision).
 
 Decode: a linear model fitted by exponentially-forgetting least squares with a light prior,
 
@@ -28,11 +40,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RatePriors:
-    ttft_base_s: float = 0.02  # fixed overhead added to every TTFT prediction (network, scheduling)
-    prefill_rate_tps: float = 8192.0  # until the first sample; slow start admission covers its error
+    ttft_base_s: float = 0.02  # prior of the per-request prefill overhead (network, scheduling, first step)
+    prefill_rate_tps: float = 8192.0  # prior of the per-token prefill rate; slow start admission covers its error
     decode_rate_tps: float = 512.0  # output tokens per second while streams decode, until the first sample
     rate_window_s: float = 0.25  # busy seconds per rate sample
-    rate_alpha: float = 0.3
+    rate_alpha: float = 0.3  # decode rate EWMA
+    prefill_prior_weight: float = 0.5  # the prefill fit's prior, in busy windows
+    prefill_decay: float = 0.95  # per busy window; memory ~20 windows (~5 busy seconds)
+    prefill_token_scale: float = 1024.0  # tokens in the prior's pseudo-window
     tpot_base_s: float = 0.01
     tpot_per_stream_s: float = 0.0005
     prior_weight: float = 0.5
@@ -47,10 +62,14 @@ class RatePriors:
             raise ValueError("rate priors need prefill_rate_tps > 0, rate_window_s > 0, rate_alpha in (0, 1]")
         if self.prior_weight <= 0 or not 0 < self.decay < 1 or self.outlier_factor <= 1:
             raise ValueError("rate priors need prior_weight > 0, decay in (0, 1) and outlier_factor > 1")
+        if self.prefill_prior_weight <= 0 or not 0 < self.prefill_decay < 1 or not self.prefill_token_scale > 0:
+            raise ValueError("rate priors need prefill_prior_weight > 0, prefill_decay in (0, 1), "
+                             "prefill_token_scale > 0")
 
 
 class ServiceRate:
-    """Prefill tokens per busy second (see the module docstring). All methods take `now`."""
+    """Units of work per busy second, an EWMA over windows of `window_s` busy seconds (the decode rate:
+    output tokens per second while any stream decodes). All methods take `now`."""
 
     def __init__(self, prior_tps: float, window_s: float, alpha: float):
         self.tps = prior_tps
@@ -74,6 +93,72 @@ class ServiceRate:
             self.tps = sample if self.samples == 0 else self.tps + self.alpha * (sample - self.tps)
             self.samples += 1
             self._busy_s = self._tokens = 0.0
+
+
+class PrefillFit:
+    """Busy seconds ≈ overhead_s · requests + tokens / rate_tps over busy windows (module docstring).
+    All methods take `now`."""
+
+    def __init__(self, overhead_s: float, rate_tps: float, window_s: float, prior_weight: float = 0.5,
+                 decay: float = 0.95, token_scale: float = 1024.0, outlier_factor: float = 4.0):
+        self.overhead_s, self.rate_tps = overhead_s, rate_tps
+        self._a0, self._b0 = overhead_s, 1.0 / rate_tps
+        w = prior_weight / 2  # pseudo-windows (n=1, N=0, T=a0) and (n=0, N=token_scale, T=token_scale·b0)
+        self._prior = (w, 0.0, w * token_scale**2, w * overhead_s, w * token_scale**2 / rate_tps)
+        self._stats = [0.0] * 5  # sum n², n·N, N², n·T, N·T over decayed windows
+        self.window_s, self.decay, self.outlier_factor = window_s, decay, outlier_factor
+        self.samples = 0
+        self._busy_s = self._tokens = 0.0
+        self._requests = 0
+        self._last: float | None = None  # last time the busy clock was advanced
+
+    def advance(self, now: float, busy: bool) -> None:
+        """Call before the pending prefill changes; `busy`: was any prefill pending until now."""
+        if busy and self._last is not None:
+            self._busy_s += max(0.0, now - self._last)
+        self._last = now
+
+    def done(self, tokens: int, now: float, busy: bool, requests: int = 1) -> None:
+        """`requests` prefills (`tokens` uncached prompt tokens in all) finished; requests=0, tokens=0: an
+        attempt failed before its first token (its busy time still counts)."""
+        self.advance(now, busy)
+        self._tokens += tokens
+        self._requests += requests
+        if self._busy_s >= self.window_s and self._requests > 0:
+            self.update(self._requests, self._tokens, self._busy_s)
+            self._busy_s = self._tokens = 0.0
+            self._requests = 0
+
+    def predict(self, requests: float, tokens: float) -> float:
+        return self.overhead_s * requests + tokens / self.rate_tps
+
+    def update(self, requests: float, tokens: float, busy_s: float) -> None:
+        """One window: `requests` prefills of `tokens` tokens in all took `busy_s` busy seconds."""
+        n, x, y = float(requests), float(tokens), float(busy_s)
+        if not all(math.isfinite(v) and v >= 0 for v in (n, x, y)) or n + x == 0:
+            return
+        guess = self.predict(n, x)
+        if guess > 0 and self.samples >= 3:  # until then the prior may be far off: learn from the raw sample
+            y = min(max(y, guess / self.outlier_factor), guess * self.outlier_factor)
+        s = self._stats
+        for i, v in enumerate((n * n, n * x, x * x, n * y, x * y)):
+            s[i] = s[i] * self.decay + v
+        self.samples += 1
+        self._solve()
+
+    def _solve(self) -> None:
+        snn, snx, sxx, sny, sxy = (p + s for p, s in zip(self._prior, self._stats))
+        det = snn * sxx - snx * snx
+        if det <= 1e-12 * snn * sxx:
+            return
+        a = (sxx * sny - snx * sxy) / det
+        b = (snn * sxy - snx * sny) / det
+        if b <= 0:  # more tokens never take less time: the data cannot split the two, keep the prior's rate
+            b = self._b0
+            a = (sny - b * snx) / snn
+        if a < 0:  # no negative overhead: all the time is per token
+            a, b = 0.0, sxy / sxx
+        self.overhead_s, self.rate_tps = max(0.0, a), 1.0 / b
 
 
 class LinearFit:
@@ -123,18 +208,23 @@ class LinearFit:
 
 
 class WorkerRates:
-    """A worker's prefill service rate and TPOT model, named in the units the router uses."""
+    """A worker's prefill fit (per-request overhead, per-token rate), decode rate and TPOT model."""
 
     def __init__(self, priors: RatePriors):
         p = priors
-        self.ttft_base_s = p.ttft_base_s
-        self.prefill = ServiceRate(p.prefill_rate_tps, p.rate_window_s, p.rate_alpha)
+        self.prefill = PrefillFit(p.ttft_base_s, p.prefill_rate_tps, p.rate_window_s, p.prefill_prior_weight,
+                                  p.prefill_decay, p.prefill_token_scale, p.outlier_factor)
         self.decode = ServiceRate(p.decode_rate_tps, p.rate_window_s, p.rate_alpha)
         self.tpot = LinearFit(p.tpot_base_s, p.tpot_per_stream_s, 8.0, p.prior_weight, p.decay, p.outlier_factor)
 
     @property
+    def ttft_base_s(self) -> float:
+        """Learned per-request prefill overhead (prior: RatePriors.ttft_base_s)."""
+        return self.prefill.overhead_s
+
+    @property
     def prefill_rate_tps(self) -> float:
-        return self.prefill.tps
+        return self.prefill.rate_tps
 
     @property
     def decode_rate_tps(self) -> float:

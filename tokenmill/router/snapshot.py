@@ -4,7 +4,12 @@ Everything here is frozen and clock-free: the router builds a `RouteSnapshot` fr
 `now`); a simulator builds the same thing from a virtual clock. Units: tokens, seconds.
 
     uncached_w     = max(0, prompt_tokens - cached_prefix_tokens_w)
-    predicted TTFT = ttft_calibration_w * (ttft_base_s_w + (prefill_tokens_w + uncached_w) / prefill_rate_tps_w)
+    predicted TTFT = ttft_calibration_w * (ttft_base_s_w * (prefill_requests_w + 1)
+                                           + (prefill_tokens_w + uncached_w) / prefill_rate_tps_w)
+
+ttft_base_s_w (per-request overhead) and prefill_rate_tps_w (per uncached token) are the worker's learned
+prefill fit (rates.PrefillFit): the requests whose prefill is pending there, and this one, each cost the
+overhead once plus their uncached tokens at the rate.
     predicted TPOT = tpot_base_s_w + tpot_per_stream_s_w * (decode_streams_w + 1)
 """
 
@@ -21,16 +26,17 @@ class WorkerView:
     healthy: bool = True
     outstanding: int = 0  # requests the router sent that have not finished
     prefill_tokens: int = 0  # uncached prompt tokens sent whose first token has not come back
+    prefill_requests: int = 0  # requests sent whose first token has not come back
     decode_streams: int = 0  # requests past their first token, not finished
     decode_tokens: int = 0  # output tokens still to come for requests sent here (sum of max_tokens - seen)
     cached_prefix_tokens: int = 0  # estimated prefix hit of *this* request here (prefix index)
-    ttft_base_s: float = 0.02  # fixed overhead of every request (config)
-    prefill_rate_tps: float = 8192.0  # learned: uncached prompt tokens per busy second
+    ttft_base_s: float = 0.02  # learned: prefill overhead per request, whatever its length (prior: config)
+    prefill_rate_tps: float = 8192.0  # learned: uncached prompt tokens per busy second, beyond the overhead
     ttft_calibration: float = 1.0  # learned: observed / modelled TTFT (EWMA)
     decode_rate_tps: float = 512.0  # learned: output tokens per second while streams decode
     tpot_base_s: float = 0.01  # learned: TPOT with one stream
     tpot_per_stream_s: float = 0.0005  # learned: TPOT added per concurrent decode stream
-    rate_samples: int = 1000  # prefill-rate samples learned so far (0: the rate is still the prior)
+    rate_samples: int = 1000  # busy windows the prefill fit learned from so far (0: still the prior)
     reported_running: int | None = None  # worker's own gauges (/metrics), when it has them
     reported_waiting: int | None = None
     kv_usage: float | None = None  # 0..1
@@ -68,8 +74,13 @@ def uncached_tokens(w: WorkerView, r: RouteRequest) -> int:
     return max(0, r.prompt_tokens - w.cached_prefix_tokens)
 
 
+def prefill_time_s(w: WorkerView, requests: float, tokens: float) -> float:
+    """Modelled busy time of `requests` prefills of `tokens` uncached tokens in all on w."""
+    return w.ttft_base_s * requests + tokens / w.prefill_rate_tps
+
+
 def predicted_ttft_s(w: WorkerView, r: RouteRequest) -> float:
-    return w.ttft_calibration * (w.ttft_base_s + (w.prefill_tokens + uncached_tokens(w, r)) / w.prefill_rate_tps)
+    return w.ttft_calibration * prefill_time_s(w, w.prefill_requests + 1, w.prefill_tokens + uncached_tokens(w, r))
 
 
 def predicted_tpot_s(w: WorkerView) -> float:

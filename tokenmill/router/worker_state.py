@@ -4,6 +4,7 @@ Leading indicators are counted here, at the moment the router sends work, not wh
 
     outstanding     requests sent and not finished
     prefill_tokens  uncached prompt tokens sent whose first token has not come back
+    prefill_requests  requests sent whose first token has not come back
     decode_streams  requests past their first token and not finished
 
 The TTFT calibration is an EWMA of observed / modelled TTFT (clipped to [0.5, 4]; predictions under 50 ms,
@@ -11,8 +12,9 @@ or made before the prefill rate had 2 samples, are skipped): what the queue mode
 
     decode_tokens   output tokens still to come for them (sum of max_tokens - tokens seen)
 
-Each change of pending prefill advances the worker's busy clock; each first token adds its uncached
-tokens to the prefill work done (rates.ServiceRate); streamed tokens feed the decode rate the same way. At each finish the TPOT fit learns (decode streams ->
+Each change of pending prefill advances the worker's busy clock; each first token adds one request and
+its uncached tokens to the prefill work done (rates.PrefillFit: per-request overhead + tokens / rate);
+streamed tokens feed the decode rate (rates.ServiceRate). At each finish the TPOT fit learns (decode streams ->
 observed TPOT). All methods take `now`; nothing here reads a clock.
 """
 
@@ -102,7 +104,7 @@ class WorkerState:
 
     def start(self, request_id: str, uncached_tokens: int, predicted_ttft_s: float, now: float,
               ttft_deadline_s: float = float("inf"), max_tokens: int = 16) -> InFlight:
-        self.rates.prefill.advance(now, busy=self.prefill_tokens > 0)
+        self.rates.prefill.advance(now, busy=bool(self._pending))
         self.outstanding += 1
         self.prefill_tokens += uncached_tokens
         self.decode_tokens += max_tokens
@@ -117,7 +119,8 @@ class WorkerState:
         """The prompt of `f` is no longer pending: prefilled (`served`), or its attempt failed."""
         if not f.prefill_done:
             f.prefill_done = True
-            self.rates.prefill.done(f.uncached_tokens if served else 0, now, busy=self.prefill_tokens > 0)
+            self.rates.prefill.done(f.uncached_tokens if served else 0, now, busy=bool(self._pending),
+                                    requests=1 if served else 0)
             self.prefill_tokens -= f.uncached_tokens
             self._pending.pop(id(f), None)
 
@@ -168,7 +171,7 @@ class WorkerState:
         slack = None if deadline is None or now is None or deadline == float("inf") else deadline - now
         return WorkerView(
             url=self.url, healthy=self.healthy, outstanding=self.outstanding,
-            prefill_tokens=max(0, self.prefill_tokens), decode_streams=self.decode_streams,
+            prefill_tokens=max(0, self.prefill_tokens), prefill_requests=len(self._pending), decode_streams=self.decode_streams,
             decode_tokens=max(0, self.decode_tokens), decode_rate_tps=r.decode_rate_tps,
             cached_prefix_tokens=cached_prefix_tokens, ttft_base_s=r.ttft_base_s, prefill_rate_tps=r.prefill_rate_tps,
             ttft_calibration=self.ttft_calibration, tpot_base_s=r.tpot_base_s, tpot_per_stream_s=r.tpot_per_stream_s, rate_samples=r.prefill.samples,
