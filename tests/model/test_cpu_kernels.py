@@ -71,3 +71,18 @@ def test_write_kv_matches_the_indexing_definition():
     torch.testing.assert_close(cache, want, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernels.write_kv(cache[0], cache[1], k, v, torch.tensor([0, 1, 2, 3, 24]))
+
+
+@pytest.mark.parametrize("k", [512, 36])
+def test_linear_small_rows(k):
+    g = torch.Generator().manual_seed(k)
+    w, b = torch.randn(300, k, generator=g), torch.randn(300, generator=g)
+    for m in range(1, 9):
+        x = torch.randn(m, k, generator=g)
+        out = torch.empty(m, 300)
+        kernels.linear_small(out, x, w, b)
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        kernels.linear_small(out, x, w, None)
+        torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="shapes"):
+        kernels.linear_small(torch.empty(9, 300), torch.randn(9, k), w, None)

@@ -41,12 +41,21 @@ def onednn_available() -> bool:
 
 
 class PackedWeight:
-    """A [N, K] fp32 CPU weight reordered once into oneDNN's blocked layout; y = x W^T (+ b)."""
+    """A [N, K] fp32 CPU weight reordered once into oneDNN's blocked layout; y = x W^T (+ b).
+
+    Calls with at most SMALL_ROWS rows (decode at small batch: memory-bound) stream the plain weight once
+    through the C++ `linear_small` kernel instead, which reads it nearer the memory bandwidth than either
+    blocked GEMM. The plain weight is kept for that (weights are held twice on CPU)."""
 
     BATCH_HINT = 64  # the row count oneDNN picks its blocking for (decode batches; prefill is not sensitive)
+    SMALL_ROWS = 8
 
     def __init__(self, weight: torch.Tensor):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.BATCH_HINT)
+        from tokenmill.model.cpu_kernels import get_kernels
+
+        k = get_kernels()
+        self.small = k.linear_small if k is not None and weight.is_contiguous() else None
 
     @staticmethod
     def maybe(weight: torch.Tensor) -> "PackedWeight | None":
@@ -57,9 +66,15 @@ class PackedWeight:
         except RuntimeError:  # a build whose oneDNN lacks the op for this shape: plain F.linear
             return None
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                 weight: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, bias, "none", [], "")
+        x2 = x.reshape(-1, x.shape[-1])
+        if weight is not None and self.small is not None and 0 < x2.shape[0] <= self.SMALL_ROWS:
+            y = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype)
+            self.small(y, x2.contiguous(), weight, bias)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
         return y.view(*lead, y.shape[-1])
 
 
@@ -72,13 +87,11 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         if layer.packed is not None:
-            return layer.packed(x, layer.bias)
+            return layer.packed(x, layer.bias, layer.weight)
         return F.linear(x, layer.weight, layer.bias)
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
-        layer.packed = PackedWeight.maybe(layer.weight)
-        if layer.packed is not None:  # the packed copy is all apply() reads: do not hold the weights twice
-            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
+        layer.packed = PackedWeight.maybe(layer.weight)  # beside the plain weight, which small batches read
 
 
 LINEAR_METHODS: dict[str, Callable[[], LinearMethod]] = {"none": UnquantizedLinearMethod}

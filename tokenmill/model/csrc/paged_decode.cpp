@@ -287,10 +287,81 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   }
 }
 
+
+// y[m, :] = W x[m, :] (+ b) for a few rows m (decode at small batch): streams W [N, K] once, row by row,
+// with every x row held in L1, so the weight read runs near the memory bandwidth (memory-bound regime,
+// where blocked GEMMs leave bandwidth unused). Parallel over output rows.
+#ifdef TM_AVX2
+// R weight rows x M input rows per pass: R*M = 8 independent accumulator chains (FMA latency hidden)
+template <int M, int R>
+static void linear_small_rows(const float* xp, const float* wp, float* op, const float* bp, int64_t K, int64_t N,
+                              int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m256 a[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) a[r][m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+      __m256 xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(xp + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const __m256 wv = _mm256_loadu_ps(wp + (n + r) * K + k);
+        for (int m = 0; m < M; ++m) a[r][m] = _mm256_fmadd_ps(wv, xv[m], a[r][m]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) op[m * N + n + r] = hsum256(a[r][m]) + (bp ? bp[n + r] : 0.f);
+  }
+  for (; n < n1; ++n)  // leftover rows
+    for (int m = 0; m < M; ++m) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; k += 8)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(wp + n * K + k), _mm256_loadu_ps(xp + m * K + k), a);
+      op[m * N + n] = hsum256(a) + (bp ? bp[n] : 0.f);
+    }
+}
+#endif
+
+// y[m, :] = W x[m, :] (+ b) for a few rows m (decode at small batch): streams W [N, K] once, in order,
+// with the x rows held in L1, so the weight read runs near the memory bandwidth (the memory-bound regime,
+// where blocked GEMMs leave bandwidth unused). Parallel over output rows.
+void linear_small(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == N && M >= 1 && M <= 8, "shapes");
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+#ifdef TM_AVX2
+    if (K % 8 == 0) {
+      switch (M) {
+        case 1: return linear_small_rows<1, 8>(xp, wp, op, bp, K, N, n0, n1);
+        case 2: return linear_small_rows<2, 4>(xp, wp, op, bp, K, N, n0, n1);
+        case 3: return linear_small_rows<3, 2>(xp, wp, op, bp, K, N, n0, n1);
+        case 4: return linear_small_rows<4, 2>(xp, wp, op, bp, K, N, n0, n1);
+        case 5: return linear_small_rows<5, 1>(xp, wp, op, bp, K, N, n0, n1);
+        case 6: return linear_small_rows<6, 1>(xp, wp, op, bp, K, N, n0, n1);
+        case 7: return linear_small_rows<7, 1>(xp, wp, op, bp, K, N, n0, n1);
+        default: return linear_small_rows<8, 1>(xp, wp, op, bp, K, N, n0, n1);
+      }
+    }
+#endif
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float s = 0.f;
+        for (int64_t k = 0; k < K; ++k) s += xp[m * K + k] * wp[n * K + k];
+        op[m * N + n] = s + (bp ? bp[n] : 0.f);
+      }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (CPU, fp32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection (CPU, fp32)");
+  m.def("linear_small", &linear_small, "y = x W^T (+ b) for at most 8 rows, W streamed once (CPU, fp32)");
   m.def("write_kv", &write_kv, "write this step's K/V into their cache slots (CPU, fp32)");
   m.def("rope_inplace", &rope_inplace, "neox rotary embedding in place (CPU, fp32)");
 }
