@@ -236,3 +236,46 @@ def simulate_worker(hit_share: float, arrivals_per_s: float, seed: int, overhead
             w.first_token(sent[i], now)
             w.finish(sent[i], now, output_tokens=1)
     return w
+
+
+def simulate_batching_worker(arrivals_per_s, seed: int, overhead_s: float = 0.03, rate_tps: float = 4000.0,
+                             n: int = 1500, hit_share: float = 0.7, max_batch: int = 64):
+    """A continuous-batching worker as a processor-sharing server: up to `max_batch` prompts prefill
+    together (the rest wait, FIFO), each needs overhead + uncached tokens / rate (±10%) of its busy time,
+    shared equally among those running, so first tokens come while other prompts are part-done.
+    64-token hits (`hit_share`) and 832-token misses, Poisson arrivals: `arrivals_per_s`, or a list of
+    (rate, requests) phases. Returns the router's WorkerState and the most prefills ever pending."""
+    from tokenmill.router.rates import RatePriors
+    from tokenmill.router.worker_state import WorkerSpec, WorkerState
+
+    rng = random.Random(seed)
+    w = WorkerState(WorkerSpec("http://w:1"), RatePriors())
+    w.healthy = True
+    phases = [(arrivals_per_s, n)] if isinstance(arrivals_per_s, (int, float)) else arrivals_per_s
+    arrivals, t = [], 0.0
+    for rate, count in phases:
+        for _ in range(count):
+            t += rng.expovariate(rate)
+            arrivals.append((t, 64 if rng.random() < hit_share else 832))
+    waiting, running, now, i, most = [], [], 0.0, 0, 0  # [work left, InFlight]
+    while i < len(arrivals) or running or waiting:
+        next_arrival = arrivals[i][0] if i < len(arrivals) else math.inf
+        next_done = now + min(r[0] for r in running) * len(running) if running else math.inf
+        t = min(next_arrival, next_done)
+        for r in running:
+            r[0] -= (t - now) / len(running)
+        now = t
+        if next_done <= next_arrival:
+            for r in [r for r in running if r[0] <= 1e-12]:
+                running.remove(r)
+                w.first_token(r[1], now)
+                w.finish(r[1], now, output_tokens=1)
+        else:
+            uncached = arrivals[i][1]
+            i += 1
+            waiting.append([(overhead_s + uncached / rate_tps) * rng.uniform(0.9, 1.1),
+                            w.start(str(i), uncached, 0.1, now)])
+        while waiting and len(running) < max_batch:
+            running.append(waiting.pop(0))
+        most = max(most, len(running) + len(waiting))
+    return w, most

@@ -2,12 +2,23 @@
 
 Prefill: a service-time model fitted over busy windows, not a latency regression. While the worker has
 prefill pending (router-sent, first token not seen) its busy clock runs; each first token adds one request
-and that request's uncached prompt tokens to the work done. Every `window_s` of busy time closes a window
-(requests n, tokens N, busy seconds T), and
+and that request's uncached prompt tokens to the work done. A window (requests n, tokens N, busy seconds T)
+closes after at least `window_s` busy seconds, at a first token that leaves nothing pending (the end of a
+busy period), and
 
     T ≈ overhead_s · n + N / prefill_rate_tps
 
-is fitted by exponentially-forgetting least squares without intercept (decay per window, memory
+holds there exactly: every prompt the busy time worked on is counted. A window that closed at any
+first token would count one prompt while, under continuous batching, others are half-prefilled: T then
+includes work N does not (and N work T did not), the regressors are noisy, and least squares shrinks the
+per-token slope toward zero (regression dilution: a worker of ~5000 tok/s learned 285,000). Under load a
+busy period can last long, so a window also closes before the drain when the prefills pending at its two
+ends are small against what it counts (exactness counted / (counted + pending at open + pending now), in
+the current fit's seconds, ≥ `min_exact`; it then weighs `exactness` windows); one that reaches
+`max_window_s` busy seconds without either is dropped, so under sustained overload (nothing drains) the fit
+keeps what it learned rather than learn from windows it cannot measure (the TTFT calibration covers that).
+
+The model is fitted by exponentially-forgetting least squares without intercept (decay per window, memory
 ~1/(1-decay) windows) plus a fixed prior, half of its weight on a pseudo-window of one request and no
 tokens (T = overhead prior) and half on one of `token_scale` tokens and no request (T = token_scale /
 rate prior). `overhead_s` is what every request costs whatever its length (scheduling, the engine step it
@@ -100,16 +111,19 @@ class PrefillFit:
     All methods take `now`."""
 
     def __init__(self, overhead_s: float, rate_tps: float, window_s: float, prior_weight: float = 0.5,
-                 decay: float = 0.95, token_scale: float = 1024.0, outlier_factor: float = 4.0):
+                 decay: float = 0.95, token_scale: float = 1024.0, outlier_factor: float = 4.0,
+                 min_exact: float = 0.9, max_window_s: float = 4.0):
         self.overhead_s, self.rate_tps = overhead_s, rate_tps
         self._a0, self._b0 = overhead_s, 1.0 / rate_tps
         w = prior_weight / 2  # pseudo-windows (n=1, N=0, T=a0) and (n=0, N=token_scale, T=token_scale·b0)
         self._prior = (w, 0.0, w * token_scale**2, w * overhead_s, w * token_scale**2 / rate_tps)
         self._stats = [0.0] * 5  # sum n², n·N, N², n·T, N·T over decayed windows
         self.window_s, self.decay, self.outlier_factor = window_s, decay, outlier_factor
+        self.min_exact, self.max_window_s = min_exact, max(window_s, max_window_s)
         self.samples = 0
         self._busy_s = self._tokens = 0.0
         self._requests = 0
+        self._open = (0, 0.0)  # prefills pending when the window opened (requests, tokens)
         self._last: float | None = None  # last time the busy clock was advanced
 
     def advance(self, now: float, busy: bool) -> None:
@@ -118,31 +132,50 @@ class PrefillFit:
             self._busy_s += max(0.0, now - self._last)
         self._last = now
 
-    def done(self, tokens: int, now: float, busy: bool, requests: int = 1) -> None:
+    def done(self, tokens: int, now: float, busy: bool, requests: int = 1, pending_requests: int = 0,
+             pending_tokens: float = 0) -> None:
         """`requests` prefills (`tokens` uncached prompt tokens in all) finished; requests=0, tokens=0: an
-        attempt failed before its first token (its busy time still counts)."""
+        attempt failed before its first token (its busy time still counts). `pending_requests` /
+        `pending_tokens`: the prefills still pending after this one (their progress is unobserved).
+
+        A window closes once it has `window_s` busy seconds and a request, and either nothing is pending
+        (end of a busy period: everything the window's busy time worked on is counted, exactly), or the
+        work pending at its two ends is small against the work it counts (exactness ≥ `min_exact`; the
+        window then weighs `exactness` windows in the fit). Exactness = counted / (counted + pending at
+        open + pending now), all in the current fit's seconds. A window with `max_window_s` busy seconds
+        and neither is dropped (not learned from), and the next one opens."""
         self.advance(now, busy)
         self._tokens += tokens
         self._requests += requests
-        if self._busy_s >= self.window_s and self._requests > 0:
-            self.update(self._requests, self._tokens, self._busy_s)
-            self._busy_s = self._tokens = 0.0
-            self._requests = 0
+        if self._busy_s < self.window_s or self._requests <= 0:
+            return
+        counted = self.predict(self._requests, self._tokens)
+        boundary = self.predict(self._open[0] + pending_requests, self._open[1] + pending_tokens)
+        exact = counted / (counted + boundary) if counted > 0 else 0.0
+        if pending_requests > 0 and exact < self.min_exact and self._busy_s < self.max_window_s:
+            return
+        if exact >= self.min_exact or (pending_requests == 0 and self._open[0] == 0):
+            self.update(self._requests, self._tokens, self._busy_s, weight=1.0 if pending_requests == 0 and
+                        self._open[0] == 0 else exact)
+        self._busy_s = self._tokens = 0.0
+        self._requests = 0
+        self._open = (pending_requests, float(pending_tokens))
 
     def predict(self, requests: float, tokens: float) -> float:
         return self.overhead_s * requests + tokens / self.rate_tps
 
-    def update(self, requests: float, tokens: float, busy_s: float) -> None:
-        """One window: `requests` prefills of `tokens` tokens in all took `busy_s` busy seconds."""
+    def update(self, requests: float, tokens: float, busy_s: float, weight: float = 1.0) -> None:
+        """One window: `requests` prefills of `tokens` tokens in all took `busy_s` busy seconds; it counts
+        as `weight` windows (decay included)."""
         n, x, y = float(requests), float(tokens), float(busy_s)
-        if not all(math.isfinite(v) and v >= 0 for v in (n, x, y)) or n + x == 0:
+        if not all(math.isfinite(v) and v >= 0 for v in (n, x, y, weight)) or n + x == 0 or weight == 0:
             return
         guess = self.predict(n, x)
         if guess > 0 and self.samples >= 3:  # until then the prior may be far off: learn from the raw sample
             y = min(max(y, guess / self.outlier_factor), guess * self.outlier_factor)
-        s = self._stats
+        s, keep = self._stats, self.decay ** weight
         for i, v in enumerate((n * n, n * x, x * x, n * y, x * y)):
-            s[i] = s[i] * self.decay + v
+            s[i] = s[i] * keep + weight * v
         self.samples += 1
         self._solve()
 

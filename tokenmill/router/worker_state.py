@@ -13,7 +13,8 @@ or made before the prefill rate had 2 samples, are skipped): what the queue mode
     decode_tokens   output tokens still to come for them (sum of max_tokens - tokens seen)
 
 Each change of pending prefill advances the worker's busy clock; each first token adds one request and
-its uncached tokens to the prefill work done (rates.PrefillFit: per-request overhead + tokens / rate);
+its uncached tokens to the prefill work done, and tells the fit what is still pending (rates.PrefillFit:
+per-request overhead + tokens / rate, windows closed when the pending prefill drains);
 streamed tokens feed the decode rate (rates.ServiceRate). At each finish the TPOT fit learns (decode streams ->
 observed TPOT). All methods take `now`; nothing here reads a clock.
 """
@@ -119,10 +120,12 @@ class WorkerState:
         """The prompt of `f` is no longer pending: prefilled (`served`), or its attempt failed."""
         if not f.prefill_done:
             f.prefill_done = True
-            self.rates.prefill.done(f.uncached_tokens if served else 0, now, busy=bool(self._pending),
-                                    requests=1 if served else 0)
+            busy = bool(self._pending)
             self.prefill_tokens -= f.uncached_tokens
             self._pending.pop(id(f), None)
+            self.rates.prefill.done(f.uncached_tokens if served else 0, now, busy=busy,
+                                    requests=1 if served else 0, pending_requests=len(self._pending),
+                                    pending_tokens=max(0, self.prefill_tokens))
 
     def first_token(self, f: InFlight, now: float) -> float:
         """Record an observed first token; returns the observed TTFT (s)."""
