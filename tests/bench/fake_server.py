@@ -27,6 +27,7 @@ class Script:
     fail_every: int = 0  # every n-th request gets 500
     role_chunk: bool = True  # chat: a role-only chunk first, at once (it is not output)
     model: str = "fake-model"
+    max_model_len: int | None = None  # listed in GET /v1/models (as vLLM and tokenmill do)
 
 
 @dataclass
@@ -53,7 +54,10 @@ def make_app(script: Script) -> web.Application:
     app[STATE] = state
 
     async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": script.model, "object": "model"}]})
+        entry = {"id": script.model, "object": "model"}
+        if script.max_model_len is not None:
+            entry["max_model_len"] = script.max_model_len
+        return web.json_response({"object": "list", "data": [entry]})
 
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()

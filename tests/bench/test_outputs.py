@@ -39,3 +39,16 @@ def test_result_schema_plots_and_determinism(fake_server, tmp_path):
         assert (tmp_path / "a" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (tmp_path / "a" / "summary.md").read_text()
     assert "| interactive | 500 / 50 |" in md and "approximate" in md and "Goodput" in md
+
+
+def test_warns_when_planned_requests_exceed_the_servers_max_model_len(fake_server, tmp_path):
+    server = fake_server(Script(max_model_len=100))
+    # chat prompts of ~64 tokens + 48 output: all over 100; the fake server answers them anyway
+    rc, res, rows = run_bench(server.url, tmp_path / "a", "--workload", "chat:prompt=64,output=48",
+                              "--rate", "50", "--num-requests", "6")
+    over = [w for w in res["warnings"] if "max_model_len 100" in w]
+    n_over = sum(r["prompt_tokens"] + r["max_tokens"] > 100 for r in rows)
+    assert n_over > 0 and over and over[0].split(": ", 1)[1].startswith(f"{n_over} of 6 requests"), res["warnings"]
+    rc, res, _ = run_bench(fake_server(Script(max_model_len=100_000)).url, tmp_path / "b", "--workload",
+                           "chat:prompt=64,output=48", "--rate", "50", "--num-requests", "6")
+    assert not [w for w in res["warnings"] if "max_model_len" in w]

@@ -105,6 +105,13 @@ def _warnings(result: BenchResult) -> list[str]:
         if s.send_lag_ms and s.send_lag_ms.p99 > SEND_LAG_WARN_MS and run.load.mode != "concurrency":
             notes.append(f"{run.label}: the client fell behind its schedule (send lag p99 {s.send_lag_ms.p99:.0f} "
                          "ms); the offered load was lower than asked")
+        max_len = _served_max_model_len(result)
+        if max_len:
+            over = sum(r.prompt_tokens + r.max_tokens > max_len for r in run.records)
+            if over:
+                notes.append(f"{run.label}: {over} of {len(run.records)} requests planned prompt + max_tokens over "
+                             f"the server's max_model_len {max_len}: the server refuses or truncates them "
+                             "(shorten the workload's prompts/outputs or serve a longer context)")
         errors: dict[str, int] = {}
         for rec in run.records:
             if rec.error:
@@ -112,6 +119,14 @@ def _warnings(result: BenchResult) -> list[str]:
         for error, n in sorted(errors.items(), key=lambda kv: -kv[1])[:3]:
             notes.append(f"{run.label}: {n} x {error}")
     return notes
+
+
+def _served_max_model_len(result: BenchResult) -> int | None:
+    """max_model_len of the benchmarked model as GET /v1/models reports it (vLLM and tokenmill do)."""
+    for m in result.target.get("models") or []:
+        if m.get("id") == result.target.get("model") and isinstance(m.get("max_model_len"), int):
+            return m["max_model_len"]
+    return None
 
 
 def _ms(d: Distribution | None, *keys: str) -> str:
