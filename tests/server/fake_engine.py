@@ -88,10 +88,12 @@ class FakeEngine:
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("injected step failure")
+        self.last_first_scheduled = []
         while self.waiting and len(self.running) < self.max_running:
             r = self.waiting.pop(0)
             self.running[r.rid] = r
             self.admitted.append(r.rid)
+            self.last_first_scheduled.append(r.rid)
         time.sleep(self.step_s)
         self.c["steps"] += 1
         outs = []

@@ -22,6 +22,10 @@ VLLM = {
     "vllm:e2e_request_latency_seconds": "histogram",
     "vllm:request_prompt_tokens": "histogram",
     "vllm:request_generation_tokens": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
 }
 
 
@@ -79,6 +83,14 @@ def test_counters_move_by_the_right_amounts(fake_server):
     assert delta("vllm:request_generation_tokens_sum") == 16
     assert delta("tokenmill_generation_tokens_total") == 16
     assert len(chunks) == 4
+    # the phases: waiting + running = e2e, prefill + decode = running, for every request
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"vllm:request_{phase}_time_seconds_count") == 3, phase
+    e2e = delta("vllm:e2e_request_latency_seconds_sum")
+    queue, run = delta("vllm:request_queue_time_seconds_sum"), delta("vllm:request_inference_time_seconds_sum")
+    assert abs(queue + run - e2e) < 1e-6 and run > 0 and queue >= 0
+    prefill, decode = delta("vllm:request_prefill_time_seconds_sum"), delta("vllm:request_decode_time_seconds_sum")
+    assert abs(prefill + decode - run) < 1e-6 and decode > 0
 
 
 def test_cached_tokens_equals_engine_prefix_hit(fake_server):

@@ -98,6 +98,9 @@ def test_metrics_counters_real(real):
     assert d("vllm:request_success_total", finished_reason="length") == 1
     assert d("vllm:prefix_cache_hits_total") == r.usage.prompt_tokens_details.cached_tokens
     assert d("vllm:inter_token_latency_seconds_count") == 4
+    for phase in ("queue", "prefill", "decode", "inference"):  # the real engine reports its first schedule
+        assert d(f"vllm:request_{phase}_time_seconds_count") == 1, phase
+    assert d("vllm:request_prefill_time_seconds_sum") > 0
 
 
 def test_disconnect_frees_blocks_real(real):

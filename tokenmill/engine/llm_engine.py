@@ -61,6 +61,7 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._gens: dict[str, torch.Generator] = {}
         self.num_steps = 0
+        self.last_first_scheduled: list[str] = []  # ids the last step scheduled for the first time
         self.prompt_tokens_total = 0  # prompt tokens of admitted requests
         self.generation_tokens_total = 0
 
@@ -105,6 +106,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, execute, and make output."""
         sched = self.scheduler.schedule()
+        self.last_first_scheduled = sched.first_scheduled  # for callers that time the waiting phase
         if sched.empty:
             return []
         self.num_steps += 1

@@ -46,6 +46,7 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     num_batched_tokens: int = 0
     preempted: list[str] = field(default_factory=list)
+    first_scheduled: list[str] = field(default_factory=list)  # requests scheduled for the first time
 
     @property
     def empty(self) -> bool:
@@ -140,6 +141,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:  # first admission: record the prefix hit of the prompt
                 req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
                 self.kv.record_prefix_query(req.num_prompt_tokens, req.num_cached_tokens)
+                out.first_scheduled.append(req.request_id)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
             self.running.append(req)

@@ -98,6 +98,7 @@ class _Track:
     max_tokens: int
     num_prompt_tokens: int
     collect: bool  # deliver only the final output, carrying every token's logprobs
+    scheduled_at: float | None = None  # when a step first scheduled it (the end of its waiting phase)
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_generated: int = 0
@@ -289,6 +290,10 @@ class AsyncEngine:
         finally:
             now = time.perf_counter()
             self.step_seconds += now - t0
+        for rid in getattr(self.engine, "last_first_scheduled", ()):  # scheduled at the start of the step
+            track = self._live.get(rid)
+            if track is not None and track.scheduled_at is None:
+                track.scheduled_at = t0
         self._stats = self.engine.stats()  # before the outputs reach clients: their counters include this step
         deliver = []
         for out in outputs:
@@ -329,6 +334,7 @@ class AsyncEngine:
             decode_s = now - track.first_token_at if track.first_token_at is not None else None
             self.metrics.observe_finished(reason, now - track.arrival, track.num_prompt_tokens,
                                           track.num_generated, track.max_tokens, decode_s)
+            self.metrics.observe_phases(track.arrival, track.scheduled_at, track.first_token_at, now)
 
     def _abort_all(self, reason: str) -> list[str]:
         rids = list(self._live)

@@ -70,6 +70,16 @@ class ServerMetrics:
                                  "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                         REQUEST_LATENCY_BUCKETS)
+        # the phases of a request, as vLLM splits them: waiting (arrival -> first scheduled), prefill
+        # (first scheduled -> first token), decode (first token -> finish), running (first scheduled -> finish)
+        self.queue_time = hist("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = hist("vllm:request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = hist("vllm:request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = hist("vllm:request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
         token_buckets = buckets_1_2_5(max_model_len)
         self.request_prompt_tokens = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
                                           token_buckets)
@@ -104,6 +114,17 @@ class ServerMetrics:
         self.request_max_tokens.observe(max_tokens)
         if decode_s is not None and generation_tokens > 1:
             self.request_tpot.observe(decode_s / (generation_tokens - 1))
+
+    def observe_phases(self, arrival: float, scheduled_at: float | None, first_token_at: float | None,
+                       finished_at: float) -> None:
+        """Per-phase times of a finished request; a phase it never reached is not observed."""
+        if scheduled_at is None:  # aborted or refused while waiting
+            return
+        self.queue_time.observe(max(0.0, scheduled_at - arrival))
+        self.inference_time.observe(finished_at - scheduled_at)
+        if first_token_at is not None:
+            self.prefill_time.observe(first_token_at - scheduled_at)
+            self.decode_time.observe(finished_at - first_token_at)
 
     def render(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)
