@@ -91,6 +91,9 @@ def test_preemption_by_recompute_lowest_priority_first():
     assert hi.status is RequestStatus.FINISHED_LENGTH and lo.status is RequestStatus.FINISHED_LENGTH
     assert lo.num_preemptions >= 1 and len(lo.output_token_ids) == 12
     assert e.kv.pool.num_free == 6  # everything freed at the end
+    # the end of each request's waiting phase is reported once, at its first schedule (not on re-admission)
+    firsts = [rid for out in e.log for rid in out.first_scheduled]
+    assert firsts == ["hi", "lo"] and e.log[0].first_scheduled == ["hi", "lo"]
 
 
 def test_preempted_request_resumes_with_all_tokens_and_cache():
