@@ -51,7 +51,8 @@ class PackedWeight:
     SMALL_ROWS = 8
 
     def __init__(self, weight: torch.Tensor):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), self.BATCH_HINT)
+        self.weight = weight.detach()  # the plain weight (same storage), for small batches
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, self.BATCH_HINT)
         from tokenmill.model.cpu_kernels import get_kernels
 
         k = get_kernels()
@@ -66,13 +67,12 @@ class PackedWeight:
         except RuntimeError:  # a build whose oneDNN lacks the op for this shape: plain F.linear
             return None
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
-                 weight: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if weight is not None and self.small is not None and 0 < x2.shape[0] <= self.SMALL_ROWS:
-            y = torch.empty(x2.shape[0], weight.shape[0], dtype=x.dtype)
-            self.small(y, x2.contiguous(), weight, bias)
+        if self.small is not None and 0 < x2.shape[0] <= self.SMALL_ROWS:
+            y = torch.empty(x2.shape[0], self.weight.shape[0], dtype=x.dtype)
+            self.small(y, x2.contiguous(), self.weight, bias)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
         return y.view(*lead, y.shape[-1])
@@ -87,7 +87,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         if layer.packed is not None:
-            return layer.packed(x, layer.bias, layer.weight)
+            return layer.packed(x, layer.bias)
         return F.linear(x, layer.weight, layer.bias)
 
     def process_weights_after_loading(self, layer: "Linear") -> None:

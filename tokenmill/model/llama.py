@@ -108,6 +108,6 @@ class LlamaModel(nn.Module):
         """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
         if self.lm_head is None:
             if self.tied_head is not None:
-                return self.tied_head(hidden, None, self.embed_tokens.weight).float()
+                return self.tied_head(hidden).float()
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
