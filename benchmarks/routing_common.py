@@ -84,13 +84,16 @@ def warm_up(urls: list[str]) -> None:
 
 @contextmanager
 def tokenmill_router(urls: list[str], port: int, policy: str, admission: str, log_dir: Path,
-                     config: dict | None = None):
+                     config: dict | None = None, checkout: str | None = None):
+    """`tokenmill route` in front of `urls`; `checkout`: run the router from that source tree instead (an A/B
+    of two versions side by side in one run)."""
     cfg_path = log_dir / f"router-{policy}-{admission}.json"
     cfg_path.write_text(json.dumps({"workers": urls, "policy": policy, "port": port,
                                     "admission": {"mode": admission}, **(config or {})}))
     log = open(log_dir / f"router-{policy}-{admission}.log", "w")
+    env = ENV if checkout is None else {**ENV, "PYTHONPATH": str(Path(checkout).resolve())}
     proc = subprocess.Popen([PY, "-m", "tokenmill", "route", "--config", str(cfg_path), "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, env=ENV)
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", 60)
         yield f"http://127.0.0.1:{port}"
@@ -163,16 +166,19 @@ def router_estimates(url: str) -> dict[str, float]:
         text = r.read().decode()
     out: dict[str, float] = {}
     learned: dict[str, dict[str, float]] = {}  # per worker: the learned prefill fit
+    decisions: dict[str, float] = {}  # "reason/cache" -> attempts
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             out[s.name] = out.get(s.name, 0.0) + s.value
+            if s.name == "tokenmill_router_route_decisions_total":
+                decisions[f"{s.labels['reason']}/{s.labels['cache']}"] = s.value
             for gauge, key in (("worker_prefill_rate_tokens_per_second", "prefill_rate_tps"),
                                ("worker_prefill_overhead_seconds", "prefill_overhead_s")):
                 if s.name == f"tokenmill_router_{gauge}":
                     learned.setdefault(s.labels.get("worker", ""), {})[key] = s.value
     return {**{k: out.get(f"tokenmill_router_{k}_total", 0.0) for k in
                ("estimated_prefix_hit_tokens", "reported_cached_tokens", "prompt_tokens", "retries")},
-            "learned": learned}
+            "learned": learned, "decisions": decisions}
 
 
 def row(name: str, result: dict, counters: list[dict[str, float]]) -> dict:

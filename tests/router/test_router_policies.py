@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from tokenmill.router.policies import POLICIES, PolicyParams, get_policy, prefix_load_cost_s, register_policy
-from tokenmill.router.snapshot import RouteRequest, RouteSnapshot, WorkerView
+from tokenmill.router.snapshot import RouteRequest, RouteSnapshot, WorkerView, predicted_ttft_s
 
 from router_fakes import simulate_worker
 
@@ -160,3 +160,20 @@ def test_predicted_ttft_and_queue_count_the_overhead_once_per_pending_request():
     assert queue_s(w, P) == pytest.approx(3 * 0.1 + (600 + 2 * P.decode_stream_tokens) / 1000)
     assert prefix_load_cost_s(w, snap(w, prompt_tokens=1000), P) == pytest.approx(
         0.1 + (1 + P.miss_weight) * 200 / 1000 + queue_s(w, P))
+
+
+def test_prefix_load_guard_spreads_only_to_a_worker_that_can_meet_the_ttft_budget():
+    hot, cold = learned_pair()
+    hot, cold = dataclasses.replace(hot, ttft_calibration=1.0), dataclasses.replace(cold, ttft_calibration=1.0)
+    # the guard trips (14 - 8 > 4, 14 > 1.5 x 8); `cold` has 8 pending misses in front of this one
+    views = loaded(hot, 14, 6, [64] * 8, cached=768), loaded(cold, 8, 0, [832] * 8)
+    cold_ttft = predicted_ttft_s(views[1], RouteRequest("r", 10.0, 10.0, 832))
+    room = dataclasses.replace(snap(*views, prompt_tokens=832).request, ttft_budget_s=cold_ttft * 1.01)
+    choice = get_policy("prefix-load")(RouteSnapshot(views, room), P)
+    assert (choice.worker, choice.reason) == ("cold", "load-guard")
+    # the same pool when even `cold` cannot serve it in time: a miss there only adds work, the cache keeps it
+    no_room = dataclasses.replace(room, ttft_budget_s=cold_ttft * 0.99)
+    choice = get_policy("prefix-load")(RouteSnapshot(views, no_room), P)
+    assert (choice.worker, choice.reason) == ("hot", "saturated")
+    # without a budget (a snapshot that carries none) the guard applies as before
+    assert get_policy("prefix-load")(snap(*views, prompt_tokens=832), P).worker == "cold"

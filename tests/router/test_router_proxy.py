@@ -103,6 +103,10 @@ def test_prefix_load_keeps_a_shared_prefix_on_one_worker_and_learns_from_reporte
             hits = router.metrics.prefix_hit_tokens.labels(hot.url)._value.get()
             reported = router.metrics.reported_cached_tokens.labels(hot.url)._value.get()
             assert hits > 0 and reported == pytest.approx(hits, rel=0.2)
+            # the first request found no cache anywhere (a tie: "longest"), the other five followed the hit
+            decisions = router.metrics.decisions
+            assert decisions.labels("least-cost", "longest")._value.get() == 6
+            assert decisions.labels("least-cost", "shorter")._value.get() == 0
     run(main())
 
 

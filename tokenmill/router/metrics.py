@@ -23,6 +23,10 @@ class RouterMetrics:
         self.requests = Counter(P + "requests", "Requests by class and outcome "
                                 "(ok, rejected, failed, client_error, cancelled)", ["class", "outcome"], registry=r)
         self.routed = Counter(P + "routed_requests", "Attempts sent to each worker", ["worker"], registry=r)
+        self.decisions = Counter(P + "route_decisions", "Attempts by why the worker was chosen (the policy's "
+                                 "reason, or admission when it overrode the policy) and whether that worker had "
+                                 "the longest estimated cached prefix among the candidates (cache=longest|shorter)",
+                                 ["reason", "cache"], registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens sent (estimated for text)", ["worker"],
                                      registry=r)
         self.prefix_hit_tokens = Counter(P + "estimated_prefix_hit_tokens", "Prompt tokens the prefix index "

@@ -19,7 +19,10 @@
                   per-request choice does not trade cache hits for a slightly shorter queue and raise the
                   total work under load. Load guard: a worker is skipped when
                       outstanding_w - min_outstanding > guard_abs  and  outstanding_w > guard_rel · min_outstanding
-                  so a cache hit can never pile more than ~guard_abs requests onto one worker.
+                  so a cache hit can never pile more than ~guard_abs requests onto one worker -- while the
+                  worker the guard leaves can still serve the request within its TTFT budget
+                  (RouteRequest.ttft_budget_s, predicted TTFT). When none of the allowed workers can, the pool is
+                  saturated and the cheapest worker keeps the request: a spread there only adds a cache miss.
 
 Workers in `request.exclude` (already tried for this request) and unhealthy or draining workers are never
 chosen. `worker` is None when no worker is routable.
@@ -30,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from tokenmill.router.snapshot import RouteSnapshot, WorkerView, prefill_time_s, uncached_tokens
+from tokenmill.router.snapshot import RouteSnapshot, WorkerView, predicted_ttft_s, prefill_time_s, uncached_tokens
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class PolicyParams:
 @dataclass(frozen=True)
 class RouteChoice:
     worker: str | None
-    reason: str  # why: "round-robin" | "least-load" | "prefix-hit" | "least-cost" | "no-worker"
+    reason: str  # why: "round-robin" | "least-load" | "prefix-hit" | "least-cost" | "load-guard" | "saturated" | "no-worker"
     costs: tuple[tuple[str, float], ...] = ()  # per candidate worker, for debugging and metrics
 
 
@@ -135,7 +138,20 @@ def prefix_load(snap: RouteSnapshot, p: PolicyParams) -> RouteChoice:
     if not workers:
         return NO_WORKER
     costs = tuple((w.url, prefix_load_cost_s(w, snap, p)) for w in workers)
-    allowed = {w.url for w in load_guard(workers, p)}
     cost_of = dict(costs)
-    best = min((w for w in workers if w.url in allowed), key=lambda w: (cost_of[w.url],) + _load_key(w, p))
-    return RouteChoice(best.url, "least-cost", costs)
+
+    def key(w: WorkerView) -> tuple:
+        return (cost_of[w.url],) + _load_key(w, p)
+
+    best = min(workers, key=key)
+    allowed = load_guard(workers, p)
+    if best in allowed:
+        return RouteChoice(best.url, "least-cost", costs)
+    # The guard vetoes the cheapest worker. Spreading buys latency only where there is room for it: the
+    # cheapest allowed worker takes the request if it can serve it within what is left of its TTFT SLO.
+    # When none can (every worker saturated), moving it would add a cache miss -- more work on an
+    # overloaded pool -- for no request's gain, so the cheapest worker keeps it.
+    spread = min(allowed, key=key)
+    if predicted_ttft_s(spread, snap.request) <= snap.request.ttft_budget_s:
+        return RouteChoice(spread.url, "load-guard", costs)
+    return RouteChoice(best.url, "saturated", costs)

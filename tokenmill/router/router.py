@@ -20,7 +20,7 @@ from tokenmill.router.admission import Admission, admit
 from tokenmill.router.classes import WorkloadClass, by_name
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.metrics import RouterMetrics
-from tokenmill.router.policies import get_policy
+from tokenmill.router.policies import RouteChoice, get_policy
 from tokenmill.router.prefix_index import PrefixIndex
 from tokenmill.router.prompt import PromptKey, TokenEstimator
 from tokenmill.router.queues import ClassQueues, Held
@@ -51,6 +51,7 @@ class RequestCtx:
     max_tokens: int
     tried: set[str] = field(default_factory=set)
     first_token_s: float | None = None
+    choice: RouteChoice | None = None  # the routing policy's latest choice for it (metrics only)
 
 
 class Router:
@@ -130,12 +131,12 @@ class Router:
             chunks[w.url] = n
             views.append(w.view(self.tokens.hit_tokens(ctx.key, n, ctx.prompt_tokens), now))
         req = RouteRequest(ctx.request_id, now, ctx.arrival_s, ctx.prompt_tokens, ctx.cls.name, ctx.seq,
-                           ctx.max_tokens, frozenset(ctx.tried))
+                           ctx.max_tokens, frozenset(ctx.tried), ctx.cls.ttft_slo_s - (now - ctx.arrival_s))
         return RouteSnapshot(tuple(views), req), chunks
 
     def decide(self, ctx: RequestCtx, held: bool = False) -> tuple[Admission, RouteSnapshot, dict[str, int]]:
         snap, chunks = self.snapshot(ctx)
-        choice = self.policy(snap, self.cfg.policy_params)
+        choice = ctx.choice = self.policy(snap, self.cfg.policy_params)
         if ctx.tried:  # a retry was admitted already: only the routing policy picks among the workers left
             adm = Admission("admit", choice.worker) if choice.worker else Admission("reject", reason="no-worker")
         else:
@@ -197,6 +198,9 @@ class Router:
         self.index.insert(w.url, ctx.key.hashes, snap.request.now)
         m = self.metrics
         m.routed.labels(w.url).inc()
+        reason = ctx.choice.reason if ctx.choice is not None and ctx.choice.worker == w.url else "admission"
+        longest = max(v.cached_prefix_tokens for v in snap.routable(snap.request.exclude))
+        m.decisions.labels(reason, "longest" if view.cached_prefix_tokens >= longest else "shorter").inc()
         m.prompt_tokens.labels(w.url).inc(ctx.prompt_tokens)
         m.prefix_hit_tokens.labels(w.url).inc(view.cached_prefix_tokens)
         m.predicted_ttft.labels(w.url).observe(predicted)

@@ -59,6 +59,7 @@ class RouteRequest:
     seq: int = 0  # router-wide arrival counter (round-robin's only state)
     max_tokens: int = 16
     exclude: frozenset[str] = frozenset()  # workers already tried for this request (retries)
+    ttft_budget_s: float = float("inf")  # what is left of its class's TTFT SLO (class SLO - time waited)
 
 
 @dataclass(frozen=True)
