@@ -63,6 +63,16 @@ def gather_kv(cache_kv: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
     return g.transpose(-4, -3).reshape(*g.shape[:-4], kvh, mb * bs, hd)
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+          gqa: bool) -> torch.Tensor:
+    """One sequence: q [nh, q, hd], k/v [kvh, ctx, hd]; causal when `mask` is None. The inputs get a batch
+    dimension: with 3-D inputs PyTorch's CPU SDPA takes its math path (mask materialized, safe softmax),
+    with 4-D its flash kernel, 2-3x faster here at 64-384 tokens."""
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None,
+                                       scale=scale, enable_gqa=gqa)
+    return o[0]
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, nh, hd]; k, v: [T, kvh, hd] (this step's new tokens). Returns [T, nh, hd]."""
@@ -81,7 +91,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
         if s.ctx_len == s.q_len and (window is None or window >= s.ctx_len):
             ks = k[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [kvh, q, hd]
             vs = v[s.q_start:s.q_start + s.q_len].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            o = _sdpa(qs, ks, vs, None, scale, gqa)
         else:
             ks = gather_kv(cache[0], s.block_table)[:, :s.ctx_len]  # [kvh, ctx, hd]
             vs = gather_kv(cache[1], s.block_table)[:, :s.ctx_len]
@@ -90,7 +100,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
             mask = kpos <= qpos
             if window is not None:
                 mask &= kpos > qpos - window
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            o = _sdpa(qs, ks, vs, mask, scale, gqa)
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     if meta.decode_token_idx is not None:
         idx = meta.decode_token_idx
