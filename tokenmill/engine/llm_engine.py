@@ -122,9 +122,11 @@ class LLMEngine:
         if not seqs:
             return []
         reqs = [self.scheduler.requests[s.request_id] for _, s in seqs]
-        rows = torch.tensor([out.logit_offsets[i] + s.num_logits - 1 for i, s in seqs], device=out.logits.device)
-        result = self.sampler.sample(out.logits.index_select(0, rows), [r.params for r in reqs],
-                                     [self._gens.get(r.request_id) for r in reqs])
+        rows = [out.logit_offsets[i] + s.num_logits - 1 for i, s in seqs]
+        logits = out.logits
+        if rows != list(range(logits.shape[0])):  # a pure decode step samples every row in order: no copy
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        result = self.sampler.sample(logits, [r.params for r in reqs], [self._gens.get(r.request_id) for r in reqs])
         outputs = []
         for req, tok, lp in zip(reqs, result.token_ids, result.logprobs):
             req.append_output(tok)
