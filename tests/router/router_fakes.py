@@ -29,6 +29,7 @@ class FakeWorker:
     requests: list[dict] = field(default_factory=list)  # (body, headers) of each completion request
     running: int = 0
     waiting: int = 0
+    queued_prefill: int = 0  # reported as tokenmill_waiting_uncached_prompt_tokens (traffic from elsewhere)
     _seen: set[str] = field(default_factory=set)
     _lane: asyncio.Lock = field(default_factory=asyncio.Lock)
     url: str = ""
@@ -65,6 +66,8 @@ class FakeWorker:
             f'# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name="tiny"}} {self.running}\n'
             f'# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{model_name="tiny"}} {self.waiting}\n'
             '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{model_name="tiny"} 0.25\n'
+            f"# TYPE tokenmill_waiting_uncached_prompt_tokens gauge\n"
+            f'tokenmill_waiting_uncached_prompt_tokens{{model_name="tiny"}} {self.queued_prefill}\n'
         )
         return web.Response(text=text, content_type="text/plain")
 

@@ -327,3 +327,27 @@ def test_must_parse_only_events_with_an_error_or_a_usage():
     assert _must_parse(b'{"choices":[],"usage":{"completion_tokens":3}}')
     assert _must_parse(b'{"error":{"message":"x"}}')
     assert _must_parse(b'{"choices":[{"logprobs":{"top_logprobs":[{"usage":-0.1}]}}],"usage":null}')
+
+
+def test_prefill_queued_by_other_clients_counts_as_load_from_the_workers_own_gauge():
+    async def main():
+        busy, free = FakeWorker(queued_prefill=1_000_000), FakeWorker()  # ~2 min of prefill at the prior rate
+        async with routed([busy, free], policy="prefix-load") as (url, router), aiohttp.ClientSession() as s:
+            await asyncio.sleep(0.5)  # a health check scraped both
+            assert router.pool.get(busy.url).view().external_prefill_tokens == 1_000_000
+            assert router.pool.get(free.url).view().external_prefill_tokens == 0
+            for i in range(3):  # the router sent nothing to `busy`, yet it is not idle: all go to `free`
+                status, _, _ = await post(s, url, {"prompt": f"q{i}", "max_tokens": 2})
+                assert status == 200
+            assert len(busy.requests) == 0 and len(free.requests) == 3
+            free.queued_prefill = 1_000_000  # now every worker has a queue no interactive SLO survives
+            await asyncio.sleep(0.5)
+            status, doc, headers = await post(s, url, {"prompt": "late", "max_tokens": 2})
+            assert status == 429 and int(headers["Retry-After"]) >= 1
+            assert router.metrics.rejections.labels("interactive", "slo")._value.get() == 1
+            busy.queued_prefill = free.queued_prefill = 0  # drained: served again
+            await asyncio.sleep(0.5)
+            status, _, _ = await post(s, url, {"prompt": "again", "max_tokens": 2})
+            assert status == 200
+            assert "tokenmill_router_worker_external_prefill_tokens" in router.metrics.render().decode()
+    run(main())

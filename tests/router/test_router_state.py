@@ -270,3 +270,22 @@ def test_cli_turns_bad_input_into_one_line_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{")
     assert main(["route", "--config", str(bad)]) == 2
+
+
+def test_worker_reported_queued_prefill_counts_only_what_this_router_did_not_send():
+    g = parse_worker_metrics("# TYPE tokenmill_waiting_uncached_prompt_tokens gauge\n"
+                             'tokenmill_waiting_uncached_prompt_tokens{model_name="m"} 1500\n')
+    assert (g.kind, g.queued_prefill_tokens) == ("tokenmill", 1500)
+    assert parse_worker_metrics("vllm:num_requests_waiting 2\n").queued_prefill_tokens is None
+    from tokenmill.router.snapshot import RouteRequest, predicted_ttft_s
+
+    w = WorkerState(WorkerSpec("http://w"), RatePriors(ttft_base_s=0.0, prefill_rate_tps=1000.0))
+    w.start("a", 1000, 0.0, now=0.0)  # this router's own prompt, waiting at the worker too
+    w.report_queued_prefill(g.queued_prefill_tokens)
+    assert w.external_prefill_tokens == 500  # 1500 reported - 1000 of ours
+    r = RouteRequest("r", 0.0, 0.0, 100)
+    assert predicted_ttft_s(w.view(), r) == pytest.approx((1000 + 500 + 100) / 1000)
+    w.report_queued_prefill(800)  # less than ours (some of ours is already running): nothing external
+    assert w.external_prefill_tokens == 0
+    w.report_queued_prefill(None)  # a worker without the gauge
+    assert w.external_prefill_tokens == 0

@@ -14,8 +14,9 @@ pending_slack_s(w) is the least TTFT budget left among the requests already sent
 not come: continuous batching serves a new prompt in the same steps as those, so admitting it must not
 push them past their SLO either (admitted requests keep their SLO).
 
-An idle worker (nothing outstanding) always fits and is clear: no queue can be blamed, and refusing it
-traffic would freeze a pessimistic estimate forever. Slow start: until a worker's prefill rate has
+An idle worker (nothing outstanding from this router, no prefill queued there by others as the worker
+reports it) always fits and is clear: no queue can be blamed, and refusing it traffic would freeze a
+pessimistic estimate forever. Slow start: until a worker's prefill rate has
 `warmup_samples` samples it is mostly the prior, so clear(w) also needs no prefill pending there (one
 probe at a time, like TCP slow start).
 
@@ -81,6 +82,11 @@ def idle_budget_s(cls: WorkloadClass, classes: tuple[WorkloadClass, ...], cfg: A
     return cfg.idle_headroom * min(tight) if cls.sheddable and tight else float("inf")
 
 
+def idle(w: WorkerView) -> bool:
+    """Nothing in front of a new prompt there: nothing outstanding from this router, nothing queued by others."""
+    return w.outstanding == 0 and w.external_prefill_tokens == 0
+
+
 def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes: tuple[WorkloadClass, ...],
           cfg: AdmissionConfig, queue_room: int, held: bool = False) -> Admission:
     """Decide one request. `queue_room`: free places in its class queue; `held`: it is already queued."""
@@ -97,7 +103,7 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
     def fits(w: WorkerView) -> bool:
         """Its own TTFT SLO can be met here. Waiting does not change this: the queue drains as fast as
         the budget shrinks."""
-        return cfg.mode == "lagging" or w.outstanding == 0 or predicted_ttft_s(w, r) <= budget
+        return cfg.mode == "lagging" or idle(w) or predicted_ttft_s(w, r) <= budget
 
     def clear(w: WorkerView) -> bool:
         """Conditions that waiting can clear: others' SLOs, slow start, TPOT, idle capacity, lagging signals."""
@@ -105,7 +111,7 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
             slow = w.observed_ttft_s is not None and w.observed_ttft_s > cfg.lagging_ttft_factor * cls.ttft_slo_s
             busy = w.reported_waiting is not None and w.reported_waiting > cfg.lagging_max_waiting
             return not (slow or busy)
-        if w.outstanding == 0:
+        if idle(w):
             return True  # an idle worker: no queue to blame, and no traffic would freeze its estimates
         ttft_s = predicted_ttft_s(w, r)
         warm = w.rate_samples >= cfg.warmup_samples or w.prefill_tokens == 0

@@ -79,6 +79,7 @@ class HealthChecker:
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError):
             return
         w.reported_running, w.reported_waiting, w.kv_usage = gauges.running, gauges.waiting, gauges.kv_usage
+        w.report_queued_prefill(gauges.queued_prefill_tokens)
         if w.kind == "auto":
             w.kind = gauges.kind
 

@@ -67,6 +67,9 @@ class _PoolCollector:
             "worker_outstanding_requests": ("Requests sent, not finished", lambda w: w.outstanding),
             "worker_outstanding_prefill_tokens": ("Uncached prompt tokens sent, first token not seen",
                                                   lambda w: max(0, w.prefill_tokens)),
+            "worker_external_prefill_tokens": ("Prefill tokens queued at the worker beyond this router's (the "
+                                               "worker's own gauge at the last scrape minus the router's count)",
+                                               lambda w: w.external_prefill_tokens),
             "worker_decode_streams": ("Requests past their first token", lambda w: w.decode_streams),
             "worker_outstanding_decode_tokens": ("Output tokens still to come", lambda w: max(0, w.decode_tokens)),
             "worker_prefill_rate_tokens_per_second": ("Learned prefill rate per uncached prompt token",

@@ -6,7 +6,8 @@
     prefix-load   (default) least estimated cost among the workers the load guard allows:
                       cost_w  = c0_w + (1 + κ)·uncached_w / rate_w + queue_w
                       queue_w = c0_w·prefill_requests_w + work_w / rate_w      (outstanding work, seconds)
-                      work_w  = prefill_tokens_w + λ·decode_streams_w          (outstanding work, tokens)
+                      work_w  = prefill_tokens_w + external_w + λ·decode_streams_w   (outstanding work, tokens;
+                                                                                     external_w: snapshot.py)
                   with the worker's learned prefill fit: c0_w (ttft_base_s) per request whatever its
                   length, rate_w (prefill_rate_tps) per uncached token. I.e. this request's own prefill
                   after the prefix hit plus the worker's outstanding work, in seconds. The per-request
@@ -33,7 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from tokenmill.router.snapshot import RouteSnapshot, WorkerView, predicted_ttft_s, prefill_time_s, uncached_tokens
+from tokenmill.router.snapshot import (RouteSnapshot, WorkerView, predicted_ttft_s, prefill_time_s,
+                                      queued_prefill_tokens, uncached_tokens)
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ def get_policy(name: str) -> Policy:
 
 def work_tokens(w: WorkerView, p: PolicyParams) -> float:
     """Outstanding work on w in prompt-token units: queued prefill plus λ per running stream."""
-    return w.prefill_tokens + p.decode_stream_tokens * w.decode_streams
+    return queued_prefill_tokens(w) + p.decode_stream_tokens * w.decode_streams
 
 
 def queue_s(w: WorkerView, p: PolicyParams) -> float:

@@ -5,7 +5,8 @@ Everything here is frozen and clock-free: the router builds a `RouteSnapshot` fr
 
     uncached_w     = max(0, prompt_tokens - cached_prefix_tokens_w)
     predicted TTFT = ttft_calibration_w * (ttft_base_s_w * (prefill_requests_w + 1)
-                                           + (prefill_tokens_w + uncached_w) / prefill_rate_tps_w)
+                                           + (prefill_tokens_w + external_w + uncached_w) / prefill_rate_tps_w)
+    external_w     = max(0, worker-reported queued uncached prompt tokens - prefill_tokens_w)  (last scrape)
 
 ttft_base_s_w (per-request overhead) and prefill_rate_tps_w (per uncached token) are the worker's learned
 prefill fit (rates.PrefillFit): the requests whose prefill is pending there, and this one, each cost the
@@ -43,6 +44,7 @@ class WorkerView:
     pending_slack_s: float | None = None  # least TTFT budget left among requests whose prefill is pending here
     observed_ttft_s: float | None = None  # EWMA of observed TTFT: a lagging signal
     draining: bool = False  # removed at runtime: finishes what it has, gets nothing new
+    external_prefill_tokens: int = 0  # prefill queued there by others: worker-reported minus this router's
 
     @property
     def routable(self) -> bool:
@@ -80,8 +82,13 @@ def prefill_time_s(w: WorkerView, requests: float, tokens: float) -> float:
     return w.ttft_base_s * requests + tokens / w.prefill_rate_tps
 
 
+def queued_prefill_tokens(w: WorkerView) -> int:
+    """Prefill work in front of a new prompt on w: what this router sent and what others queued there."""
+    return w.prefill_tokens + w.external_prefill_tokens
+
+
 def predicted_ttft_s(w: WorkerView, r: RouteRequest) -> float:
-    return w.ttft_calibration * prefill_time_s(w, w.prefill_requests + 1, w.prefill_tokens + uncached_tokens(w, r))
+    return w.ttft_calibration * prefill_time_s(w, w.prefill_requests + 1, queued_prefill_tokens(w) + uncached_tokens(w, r))
 
 
 def predicted_tpot_s(w: WorkerView) -> float:

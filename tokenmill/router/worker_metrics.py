@@ -14,7 +14,8 @@ from dataclasses import dataclass
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")  # all 0..1
-WANTED = frozenset(RUNNING + WAITING + KV_USAGE)
+QUEUED_PREFILL = ("tokenmill_waiting_uncached_prompt_tokens",)  # prefill work queued at the worker (tokens)
+WANTED = frozenset(RUNNING + WAITING + KV_USAGE + QUEUED_PREFILL)
 _SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{.*\})?[ \t]+([^ \t]+)(?:[ \t]+-?[0-9]+)?[ \t]*")
 _COMMENT = re.compile(r"#[ \t]+(?:HELP|TYPE)[ \t]+([a-zA-Z_:][a-zA-Z0-9_:]*)")
 
@@ -25,6 +26,7 @@ class WorkerGauges:
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None
+    queued_prefill_tokens: int | None = None  # uncached prompt tokens in the worker's waiting queue
 
 
 def parse_worker_metrics(text: str) -> WorkerGauges:
@@ -51,12 +53,13 @@ def parse_worker_metrics(text: str) -> WorkerGauges:
     def first(candidates) -> float | None:
         return next((values[n] for n in candidates if n in values), None)
 
-    running, waiting = first(RUNNING), first(WAITING)
+    running, waiting, queued = first(RUNNING), first(WAITING), first(QUEUED_PREFILL)
     return WorkerGauges(
         kind=_kind(names),
         running=None if running is None else int(running),
         waiting=None if waiting is None else int(waiting),
         kv_usage=first(KV_USAGE),
+        queued_prefill_tokens=None if queued is None else int(queued),
     )
 
 

@@ -93,6 +93,7 @@ class WorkerState:
         self.reported_running: int | None = None
         self.reported_waiting: int | None = None
         self.kv_usage: float | None = None
+        self.external_prefill_tokens = 0  # queued prefill the worker reported beyond this router's (last scrape)
         self.models: list[str] = []
 
     @property
@@ -168,6 +169,13 @@ class WorkerState:
         self.rates.tpot.update(streams, tpot_s)
         return tpot_s
 
+    def report_queued_prefill(self, reported_tokens: int | None) -> None:
+        """The worker's own gauge of uncached prompt tokens waiting there (tokenmill workers). What exceeds
+        the prefill this router has pending there came from elsewhere (other routers, direct clients): it is
+        counted as queued work until the next scrape. The router's pending count includes prompts already
+        running, which the gauge does not, so the difference never counts this router's own work twice."""
+        self.external_prefill_tokens = max(0, reported_tokens - max(0, self.prefill_tokens)) if reported_tokens else 0
+
     def view(self, cached_prefix_tokens: int = 0, now: float | None = None) -> WorkerView:
         r = self.rates
         deadline = min((f.ttft_deadline_s for f in self._pending.values()), default=None)
@@ -180,6 +188,7 @@ class WorkerState:
             ttft_calibration=self.ttft_calibration, tpot_base_s=r.tpot_base_s, tpot_per_stream_s=r.tpot_per_stream_s, rate_samples=r.prefill.samples,
             reported_running=self.reported_running, reported_waiting=self.reported_waiting, kv_usage=self.kv_usage,
             observed_ttft_s=self.observed_ttft.value, draining=self.draining, pending_slack_s=slack,
+            external_prefill_tokens=self.external_prefill_tokens,
         )
 
 
