@@ -290,7 +290,7 @@ class AsyncEngine:
         finally:
             now = time.perf_counter()
             self.step_seconds += now - t0
-        for rid in getattr(self.engine, "last_first_scheduled", ()):  # scheduled at the start of the step
+        for rid in self.engine.last_first_scheduled:  # scheduled at the start of the step
             track = self._live.get(rid)
             if track is not None and track.scheduled_at is None:
                 track.scheduled_at = t0
