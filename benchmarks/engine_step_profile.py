@@ -1,8 +1,7 @@
 """Where an offline run's time goes: engine phases (schedule / execute / postprocess) and, inside execute,
 the time of each heavy op (oneDNN / MKL linears, SDPA, tokenmill's C++ CPU kernels); prints a table.
 
-    python benchmarks/engine_step_profile.py --model /tmp/m/small --threads 1
-    python benchmarks/engine_step_profile.py --model /tmp/m/small --threads 2
+    python benchmarks/engine_step_profile.py --model /tmp/m/small --threads 1 2    # both, side by side
 
 Same workload as offline_throughput.py (seed 0, 64 requests, input 32-256, output 32-128, greedy,
 ignore_eos, prefix caching off). Ops are timed by wrapping their Python entry points with a wall clock
@@ -28,7 +27,8 @@ from offline_throughput import workload  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1],
+                    help="torch thread counts, run one after the other in this process (one column each)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--input-len", default="32:256")
     ap.add_argument("--output-len", default="32:128")
@@ -39,8 +39,8 @@ def main() -> int:
     from tokenmill.engine.sampling_params import SamplingParams
     from tokenmill.model.cpu_kernels import get_kernels
 
-    torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, num_threads=args.threads, enable_prefix_caching=False,
+    torch.set_num_threads(args.threads[0])
+    llm = LLM(model=args.model, num_threads=args.threads[0], enable_prefix_caching=False,
               max_num_batched_tokens=args.max_num_batched_tokens)
     eng = llm.engine
     spent: dict[str, float] = collections.defaultdict(float)
@@ -75,28 +75,37 @@ def main() -> int:
     lo_out, hi_out = map(int, args.output_len.split(":"))
     prompts, outs = workload(args.num_requests, lo_in, hi_in, lo_out, hi_out, min(eng.model_config.vocab_size, 4096), 0)
     llm.generate([prompts[0]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up (kernel build, packing)
-    spent.clear()
-    calls.clear()
-    t0 = time.perf_counter()
-    llm.generate(prompts, [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for o in outs])
-    wall = time.perf_counter() - t0
+    columns = []  # per thread count: (wall, spent, calls)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        spent.clear()
+        calls.clear()
+        t0 = time.perf_counter()
+        llm.generate(prompts, [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for o in outs])
+        columns.append((time.perf_counter() - t0, dict(spent), dict(calls)))
 
-    print(f"{args.model}: {args.num_requests} requests, {sum(outs)} output tokens, {args.threads} thread(s): "
-          f"{wall:.2f} s, {sum(outs) / wall:.0f} output tok/s, {calls['execute']} steps\n")
-    print("| part | seconds | share of wall | calls | ms per call |")
-    print("|---|---|---|---|---|")
-    rows = [(p, spent[p]) for p in ("schedule", "execute", "postprocess")]
-    rows.append(("outside step()", wall - sum(v for _, v in rows)))
-    in_ops = 0.0
-    for name in sorted(ops, key=lambda n: -spent[n]):
-        if calls[name]:
-            rows.append((f"  execute: {name}", spent[name]))
-            in_ops += spent[name]
-    rows.append(("  execute: the rest (runner Python, small torch ops)", spent["execute"] - in_ops))
-    for name, sec in rows:
-        n = calls.get(name.replace("  execute: ", ""), 0)
-        per = f"{1e3 * sec / n:.3f}" if n else ""
-        print(f"| {name} | {sec:.2f} | {sec / wall:.0%} | {n or ''} | {per} |")
+    print(f"{args.model}: {args.num_requests} requests, {sum(outs)} output tokens, {columns[0][2]['execute']} steps; "
+          + ", ".join(f"{t} thread(s): {w:.2f} s, {sum(outs) / w:.0f} output tok/s" for t, (w, _, _) in
+                      zip(args.threads, columns)) + "\n")
+    print("| part | " + " | ".join(f"{t} thread(s): s (share) | ms per call" for t in args.threads) + " |")
+    print("|---|" + "---|---|" * len(args.threads))
+    used = [n for n in ops if any(c.get(n) for _, _, c in columns)]
+    used.sort(key=lambda n: -columns[0][1].get(n, 0.0))
+    names = ["whole run", "schedule", "execute", "postprocess", "outside step()"] + used + ["execute: the rest"]
+    for name in names:
+        cells = []
+        for wall, sp, ca in columns:
+            if name == "whole run":
+                sec, n = wall, 0
+            elif name == "outside step()":
+                sec, n = wall - sum(sp.get(p, 0.0) for p in ("schedule", "execute", "postprocess")), 0
+            elif name == "execute: the rest":  # runner Python, embedding, small torch ops, uncounted kernels
+                sec, n = sp.get("execute", 0.0) - sum(sp.get(o, 0.0) for o in used), 0
+            else:
+                sec, n = sp.get(name, 0.0), ca.get(name, 0)
+            cells.append(f"{sec:.2f} ({sec / wall:.0%}) | " + (f"{1e3 * sec / n:.3f}" if n else ""))
+        label = f"execute: {name}" if name in used else name
+        print(f"| {label} | " + " | ".join(cells) + " |")
     return 0
 
 
