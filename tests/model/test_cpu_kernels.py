@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model.cpu_kernels import get_kernels
+from tokenmill.model.config import RopeConfig
 from tokenmill.model.layers import RotaryEmbedding, _rotate
 
 kernels = get_kernels()
@@ -41,7 +42,7 @@ def test_silu_mul(inter):
 
 @pytest.mark.parametrize("hd", [64, 36])
 def test_rope_in_place_on_strided_views(hd):
-    rope = RotaryEmbedding(hd, 512, 10000.0, None)
+    rope = RotaryEmbedding(hd, 512, RopeConfig())
     t, nh, nkv = 9, 4, 2
     qkv = torch.randn(t, (nh + 2 * nkv) * hd, generator=torch.Generator().manual_seed(2))
     q, k, _ = qkv.split([nh * hd, nkv * hd, nkv * hd], dim=-1)

@@ -4,6 +4,7 @@ and PNG plots (matplotlib, imported lazily with the Agg backend)."""
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -65,7 +66,10 @@ def write_report(result: BenchResult, out: Path, plots: bool = True) -> list[Pat
         written.append(path)
     (out / "summary.md").write_text(markdown(result))
     if plots:
-        written += write_plots(result, out)
+        try:
+            written += write_plots(result, out)
+        except ImportError as e:  # the results are written already; a missing plotting library costs only plots
+            print(f"warning: plots skipped ({e}); result.json and summary.md are complete", file=sys.stderr)
     return written
 
 

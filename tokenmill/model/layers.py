@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from tokenmill.model.config import RopeConfig
 from tokenmill.model.cpu_kernels import kernels_for
 
 
@@ -31,17 +32,16 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if not scaling:
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies as transformers computes them for rope_type default / linear / llama3."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "default":
         return inv_freq
-    kind = scaling.get("rope_type") or scaling.get("type")
-    factor = float(scaling.get("factor", 1.0))
-    if kind == "linear":
-        return inv_freq / factor
-    if kind == "llama3":
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
+        old_len = float(rope.original_max_position_embeddings)
         low_wavelen, high_wavelen = old_len / low, old_len / high
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -49,15 +49,15 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    return inv_freq
+    raise ValueError(f"rope_type {rope.rope_type!r} is not implemented")  # ModelConfig refuses it first
 
 
 class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves), as HF Llama/Qwen/Mistral apply it."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq = rope_inv_freq(head_dim, rope)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_pos, head_dim/2] fp32
         self.register_buffer("sin", freqs.sin(), persistent=False)

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama incl. llama3 rope scaling, Mistral, Qwen2 qkv bias, Qwen3 q/k norm; GQA;
+"""Llama-family decoder (Llama incl. llama3 rope scaling and attention/MLP biases, Mistral, Qwen2 qkv bias, Qwen3
+q/k norm; GQA;
 tied embeddings) over a paged KV cache. Takes a flat batch of new tokens from many sequences."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class Attention(nn.Module):
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, bias=cfg.qkv_bias, dtype=dtype,
                                shards=[("q", self.nh * self.hd), ("k", self.nkv * self.hd), ("v", self.nkv * self.hd)])
-        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, dtype=dtype)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = self.hd ** -0.5
@@ -41,8 +42,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, dtype=dtype, shards=[("gate", self.inter), ("up", self.inter)])
-        self.down_proj = Linear(self.inter, cfg.hidden_size, dtype=dtype)
+        self.gate_up_proj = Linear(cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype,
+                                   shards=[("gate", self.inter), ("up", self.inter)])
+        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
 
     def forward(self, x):
         gu = self.gate_up_proj(x)
@@ -78,7 +80,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:

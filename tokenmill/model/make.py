@@ -34,11 +34,16 @@ def weight_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
                     (p + "self_attn.v_proj.bias", (kv,))]
         if cfg.qk_norm:
             out += [(p + "self_attn.q_norm.weight", (cfg.head_dim,)), (p + "self_attn.k_norm.weight", (cfg.head_dim,))]
-        out += [(p + "self_attn.o_proj.weight", (h, q)),
-                (p + "post_attention_layernorm.weight", (h,)),
+        out += [(p + "self_attn.o_proj.weight", (h, q))]
+        if cfg.o_bias:
+            out += [(p + "self_attn.o_proj.bias", (h,))]
+        out += [(p + "post_attention_layernorm.weight", (h,)),
                 (p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
                 (p + "mlp.up_proj.weight", (cfg.intermediate_size, h)),
                 (p + "mlp.down_proj.weight", (h, cfg.intermediate_size))]
+        if cfg.mlp_bias:
+            out += [(p + "mlp.gate_proj.bias", (cfg.intermediate_size,)), (p + "mlp.up_proj.bias", (cfg.intermediate_size,)),
+                    (p + "mlp.down_proj.bias", (h,))]
     out.append(("model.norm.weight", (h,)))
     if not cfg.tie_word_embeddings:
         out.append(("lm_head.weight", (cfg.vocab_size, h)))
