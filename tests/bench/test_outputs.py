@@ -52,3 +52,21 @@ def test_warns_when_planned_requests_exceed_the_servers_max_model_len(fake_serve
     rc, res, _ = run_bench(fake_server(Script(max_model_len=100_000)).url, tmp_path / "b", "--workload",
                            "chat:prompt=64,output=48", "--rate", "50", "--num-requests", "6")
     assert not [w for w in res["warnings"] if "max_model_len" in w]
+
+
+def test_a_missing_plotting_library_never_loses_the_results(fake_server, tmp_path, monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.split(".")[0] == "matplotlib":
+            raise ModuleNotFoundError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    rc, res, rows = run_bench(fake_server(Script()).url, tmp_path / "a", "--workload", "chat:output=8",
+                              "--rate", "50", "--num-requests", "4", plots=True)
+    assert rc == 0 and res["summary"]["completed"] == 4 and len(rows) == 4
+    assert (tmp_path / "a" / "summary.md").is_file() and not (tmp_path / "a" / "latency_cdf.png").exists()
+    assert "plots skipped (No module named 'matplotlib')" in capsys.readouterr().err
