@@ -51,7 +51,7 @@ def test_logits_prefill_decode_chunked_prefix_hit(model_dir, preset):
 def test_greedy_matches_hf_generate_batched_staggered_shared_prefix(model_dir, preset):
     path = model_dir(preset)
     hf = hf_model(path)
-    llm = LLM(str(path), kv_cache_bytes="32MiB", max_num_batched_tokens=48)
+    llm = LLM(str(path), kv_cache_bytes="32MiB", max_num_batched_tokens=48, dtype="float32")
     eng = llm.engine
     g = torch.Generator().manual_seed(1)
     system = torch.randint(1, 4096, (40,), generator=g).tolist()

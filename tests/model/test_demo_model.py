@@ -84,7 +84,7 @@ def test_greedy_generation_matches_hf_generate():
     from tokenmill import LLM, SamplingParams
 
     hf = hf_model(DEMO)
-    llm = LLM("demo", kv_cache_bytes="32MiB")
+    llm = LLM("demo", kv_cache_bytes="32MiB", dtype="float32")
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs):
         ids = llm.tokenizer.encode(prompt)

@@ -96,7 +96,7 @@ def test_v5_checkpoint_greedy_tokens_match_hf_generate(saved):
     raw = json.loads((v5 / "config.json").read_text())
     assert "rope_parameters" in raw and raw["rope_parameters"]["rope_theta"] == 500000.0
     hf = hf_model(v5)
-    llm = LLM(str(v5), kv_cache_bytes="16MiB")
+    llm = LLM(str(v5), kv_cache_bytes="16MiB", dtype="float32")
     prompt = torch.randint(1, 4096, (150,), generator=torch.Generator().manual_seed(2)).tolist()
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     with torch.no_grad():

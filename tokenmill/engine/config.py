@@ -25,7 +25,7 @@ def parse_bytes(v: str | int) -> int:
 @dataclass
 class EngineConfig:
     model: str = "demo"  # a shipped model name (demo, demo-draft) or an HF-format directory
-    dtype: str = "auto"  # auto: fp32 on CPU, the checkpoint's bf16/fp16 on CUDA
+    dtype: str = "auto"  # auto: bf16 on CPUs with native bf16 (avx512_bf16/AMX) else fp32; CUDA: fp16 ckpt -> fp16, else bf16 (sm80+)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     kv_cache_bytes: int = 1 * GiB  # KV capacity in bytes (all layers, K and V)
     block_size: int = 16  # tokens per KV block

@@ -18,6 +18,7 @@ from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.errors import EngineOverloadedError, InvalidRequestError, ModelLoadError
 from tokenmill.model.config import ModelConfig
+from tokenmill.hardware import capabilities
 from tokenmill.model.loader import load_model, pick_device, pick_dtype, resolve_model_path
 from tokenmill.model.tokenizer import Tokenizer
 
@@ -198,4 +199,4 @@ class LLMEngine:
         return (f"model {self.model_name} ({cfg.architecture}, {cfg.num_params() / 1e6:.1f}M params) on "
                 f"{self.device} in {str(self.dtype).replace('torch.', '')}; KV cache {self.kv.pool.num_blocks} "
                 f"blocks x {c.block_size} = {self.kv_capacity_tokens} tokens; max_model_len {self.max_model_len}; "
-                f"prefix caching {'on' if c.enable_prefix_caching else 'off'}")
+                f"prefix caching {'on' if c.enable_prefix_caching else 'off'}; {capabilities().summary()}")

@@ -41,11 +41,11 @@ class AttentionMetadata:
 
 
 def _cpu_kernels(q: torch.Tensor, cache: torch.Tensor):
-    if q.device.type != "cpu" or q.dtype != torch.float32 or cache.dtype != torch.float32:
+    if q.dtype != cache.dtype:
         return None
-    from tokenmill.model.cpu_kernels import get_kernels
+    from tokenmill.model.cpu_kernels import kernels_for
 
-    return get_kernels()
+    return kernels_for(q)
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

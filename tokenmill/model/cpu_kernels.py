@@ -27,9 +27,12 @@ def _isa_flags() -> list[str]:
     return ["-mavx2", "-mfma"] if "avx2" in flags and "fma" in flags else []
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # storage types; the math is fp32 in both
+
+
 def kernels_for(x) -> object | None:
-    """The compiled module when `x` is an fp32 CPU tensor it can work on, else None (use PyTorch)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32:
+    """The compiled module when `x` is an fp32 or bf16 CPU tensor it can work on, else None (use PyTorch)."""
+    if x.device.type != "cpu" or x.dtype not in KERNEL_DTYPES:
         return None
     return get_kernels()
 
@@ -53,7 +56,7 @@ def get_kernels():
         log.info("loading the CPU attention kernel (compiled once per machine, ~1 minute the first time)")
 
         isa = _isa_flags()
-        name = "tokenmill_cpu_kernels_v7" + ("_avx2" if isa else "")
+        name = "tokenmill_cpu_kernels_v8" + ("_avx2" if isa else "")
         src = Path(__file__).parent / "csrc" / "paged_decode.cpp"
         _state["mod"] = load(name=name, sources=[str(src)], extra_cflags=["-O3", "-fopenmp", *isa],
                              extra_ldflags=["-fopenmp"], verbose=False)

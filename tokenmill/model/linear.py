@@ -40,8 +40,16 @@ def onednn_available() -> bool:
                 and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def onednn_bf16() -> bool:
+    """oneDNN runs bf16 GEMMs on native instructions here (avx512_bf16 / AMX); elsewhere it emulates them,
+    far slower than fp32, and bf16 weights stay on PyTorch's path."""
+    from tokenmill.hardware import capabilities
+
+    return capabilities().native_bf16
+
+
 class PackedWeight:
-    """A [N, K] fp32 CPU weight reordered once into oneDNN's blocked layout; y = x W^T (+ b).
+    """A [N, K] fp32 or bf16 CPU weight reordered once into oneDNN's blocked layout; y = x W^T (+ b).
 
     Calls with at most SMALL_ROWS rows (decode at small batch: memory-bound) stream the plain weight once
     through the C++ `linear_small` kernel instead, which reads it nearer the memory bandwidth than either
@@ -60,7 +68,9 @@ class PackedWeight:
 
     @staticmethod
     def maybe(weight: torch.Tensor) -> "PackedWeight | None":
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not onednn_available():
+        if weight.device.type != "cpu" or not onednn_available():
+            return None
+        if weight.dtype != torch.float32 and not (weight.dtype == torch.bfloat16 and onednn_bf16()):
             return None
         try:
             return PackedWeight(weight)

@@ -7,6 +7,7 @@ be filled: a missing, unexpected or mismatched tensor is an error that names it,
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.llama import LlamaModel
 
+log = logging.getLogger("tokenmill.loader")
 SHIPPED_MODELS_DIR = Path(__file__).parent / "demo"
 IGNORED_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -158,11 +160,22 @@ def pick_device(device: str) -> torch.device:
 
 def pick_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    from tokenmill.hardware import capabilities
+
+    caps = capabilities()
     if dtype != "auto":
+        if device.type == "cpu" and dtype == "bfloat16" and not caps.native_bf16:
+            log.warning("bfloat16 on a CPU without native bf16 dot products (%s): emulated, expect it far slower "
+                        "than float32", caps.summary())
         return table[dtype]
     if device.type == "cpu":
-        return torch.float32  # bf16 matmul is ~400x slower than fp32 on CPUs without native bf16
-    return table.get(cfg.torch_dtype, torch.bfloat16) if cfg.torch_dtype != "float32" else torch.bfloat16
+        # bf16 where the CPU has bf16 dot products (2-4x fp32's matmul rate, half the weight and KV bytes);
+        # elsewhere bf16 matmuls are emulated, up to ~400x slower than fp32. Like vLLM, an fp32 checkpoint is
+        # served in bf16 too (the quality gate in tests/model/test_precision.py bounds the loss).
+        return torch.bfloat16 if caps.native_bf16 else torch.float32
+    if cfg.torch_dtype == "float16":
+        return torch.float16
+    return torch.bfloat16 if caps.cuda_bf16 else torch.float16
 
 
 def load_model(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,

@@ -1,4 +1,4 @@
-// Paged decode attention for CPU (fp32): one new query token per sequence, K/V read in place from the
+// Paged decode attention for CPU (fp32 or bf16 storage, fp32 math): one new query token per sequence, K/V read in place from the
 // block-structured cache (no gather copy). Two passes per (sequence, kv head): scores for the whole context,
 // then the softmax-weighted sum of V. Parallel over (sequence, kv head) with ATen's thread pool. With AVX2+FMA the
 // dot products, the V accumulation and exp are 8-wide; the next block is prefetched (blocks are scattered).
@@ -37,30 +37,60 @@ static inline float hsum256(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+// 8 values of the storage type <-> 8 floats (bf16: the high half of an fp32; stores round to nearest even)
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline void store8(at::BFloat16* p, __m256 v) {
+  __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
 #endif
 
-void paged_decode_attention(
-    torch::Tensor out,           // [D, nh, hd] float
-    torch::Tensor q,             // [D, nh, hd] float (any row stride, contiguous last dim)
-    torch::Tensor k_cache,       // [NB, kvh, bs, hd] float, contiguous
-    torch::Tensor v_cache,       // [NB, kvh, bs, hd] float, contiguous
+static inline float to_f(float v) { return v; }
+static inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
+template <typename T> static inline T from_f(float v) { return static_cast<T>(v); }
+
+// run F<float> or F<bf16> for the tensor's dtype
+#define TM_DISPATCH(tensor, NAME, ...)                                                        \
+  [&] {                                                                                      \
+    if ((tensor).scalar_type() == at::kFloat) { using scalar_t = float; return __VA_ARGS__(); } \
+    TORCH_CHECK((tensor).scalar_type() == at::kBFloat16, NAME ": float32 or bfloat16 only");  \
+    using scalar_t = at::BFloat16;                                                           \
+    return __VA_ARGS__();                                                                    \
+  }()
+
+template <typename T>
+static void paged_decode_attention_impl(
+    torch::Tensor out,           // [D, nh, hd] T
+    torch::Tensor q,             // [D, nh, hd] T (any row stride, contiguous last dim)
+    torch::Tensor k_cache,       // [NB, kvh, bs, hd] T, contiguous
+    torch::Tensor v_cache,       // [NB, kvh, bs, hd] T, contiguous
     torch::Tensor block_tables,  // [D, MB] int64
     torch::Tensor ctx_lens,      // [D] int64
     double scale, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat, "fp32 only");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
+              v_cache.scalar_type() == q.scalar_type(), "q, out and the KV cache must share a dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous");
   const int64_t D = q.size(0), nh = q.size(1), hd = q.size(2);
   const int64_t kvh = k_cache.size(1), bs = k_cache.size(2), MB = block_tables.size(1);
   const int64_t G = nh / kvh;
-  const float* qp = q.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   const float fscale = (float)scale;
+  const int64_t line = 64 / sizeof(T);  // elements per cache line, for prefetching
   at::parallel_for(0, D * kvh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc;
@@ -72,7 +102,7 @@ void paged_decode_attention(
       scores.resize(G * n);
       acc.assign(G * hd, 0.f);
       const int64_t* row = bt + d * MB;
-      const float* qh = qp + d * qs0 + h * G * qs1;
+      const T* qh = qp + d * qs0 + h * G * qs1;
 #ifdef TM_AVX2
       const bool vec = hd % 8 == 0;
 #else
@@ -81,34 +111,34 @@ void paged_decode_attention(
       // pass 1: scores[g][t] = q_g . k_t * scale; block by block, each head's rows contiguous
       for (int64_t b = start / bs; b * bs < ctx; ++b) {
         const int64_t t0 = std::max(start, b * bs), t1 = std::min(ctx, (b + 1) * bs);
-        const float* kb = kp + (row[b] * kvh + h) * bs * hd;
+        const T* kb = kp + (row[b] * kvh + h) * bs * hd;
         if ((b + 1) * bs < ctx) {  // the next block lives elsewhere in memory: fetch it while we compute
-          const float* nk = kp + (row[b + 1] * kvh + h) * bs * hd;
-          for (int64_t off = 0; off < bs * hd; off += 16) __builtin_prefetch(nk + off, 0, 3);
+          const T* nk = kp + (row[b + 1] * kvh + h) * bs * hd;
+          for (int64_t off = 0; off < bs * hd; off += line) __builtin_prefetch(nk + off, 0, 3);
         }
         {  // this block's V rows, for pass 2 (a (sequence, head)'s V fits in L2)
-          const float* vb = vp + (row[b] * kvh + h) * bs * hd;
-          for (int64_t off = 0; off < bs * hd; off += 16) __builtin_prefetch(vb + off, 0, 2);
+          const T* vb = vp + (row[b] * kvh + h) * bs * hd;
+          for (int64_t off = 0; off < bs * hd; off += line) __builtin_prefetch(vb + off, 0, 2);
         }
         for (int64_t t = t0; t < t1; ++t) {
-          const float* kt = kb + (t - b * bs) * hd;
+          const T* kt = kb + (t - b * bs) * hd;
           for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qh + g * qs1;
+            const T* qg = qh + g * qs1;
             float s = 0.f;
 #ifdef TM_AVX2
             if (vec) {
               __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
               int64_t e = 0;
               for (; e + 16 <= hd; e += 16) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + e), _mm256_loadu_ps(kt + e), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + e + 8), _mm256_loadu_ps(kt + e + 8), a1);
+                a0 = _mm256_fmadd_ps(load8(qg + e), load8(kt + e), a0);
+                a1 = _mm256_fmadd_ps(load8(qg + e + 8), load8(kt + e + 8), a1);
               }
-              for (; e < hd; e += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + e), _mm256_loadu_ps(kt + e), a0);
+              for (; e < hd; e += 8) a0 = _mm256_fmadd_ps(load8(qg + e), load8(kt + e), a0);
               s = hsum256(_mm256_add_ps(a0, a1));
             } else
 #endif
             {
-              for (int64_t e = 0; e < hd; ++e) s += qg[e] * kt[e];
+              for (int64_t e = 0; e < hd; ++e) s += to_f(qg[e]) * to_f(kt[e]);
             }
             scores[g * n + (t - start)] = s * fscale;
           }
@@ -138,9 +168,9 @@ void paged_decode_attention(
       // pass 2: acc[g] = sum_t p[g][t] v_t
       for (int64_t b = start / bs; b * bs < ctx; ++b) {
         const int64_t t0 = std::max(start, b * bs), t1 = std::min(ctx, (b + 1) * bs);
-        const float* vb = vp + (row[b] * kvh + h) * bs * hd;
+        const T* vb = vp + (row[b] * kvh + h) * bs * hd;
         for (int64_t t = t0; t < t1; ++t) {
-          const float* vt = vb + (t - b * bs) * hd;
+          const T* vt = vb + (t - b * bs) * hd;
           for (int64_t g = 0; g < G; ++g) {
             const float p = scores[g * n + (t - start)];
             float* ag = acc.data() + g * hd;
@@ -148,119 +178,146 @@ void paged_decode_attention(
             if (vec) {
               const __m256 pv = _mm256_set1_ps(p);
               for (int64_t e = 0; e < hd; e += 8)
-                _mm256_storeu_ps(ag + e, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + e), _mm256_loadu_ps(ag + e)));
+                _mm256_storeu_ps(ag + e, _mm256_fmadd_ps(pv, load8(vt + e), _mm256_loadu_ps(ag + e)));
               continue;
             }
 #endif
-            for (int64_t e = 0; e < hd; ++e) ag[e] += p * vt[e];
+            for (int64_t e = 0; e < hd; ++e) ag[e] += p * to_f(vt[e]);
           }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        float* o = op + d * os0 + (h * G + g) * os1;
-        for (int64_t e = 0; e < hd; ++e) o[e] = acc[g * hd + e];
+        T* o = op + d * os0 + (h * G + g) * os1;
+        for (int64_t e = 0; e < hd; ++e) o[e] = from_f<T>(acc[g * hd + e]);
       }
     }
   });
 }
 
+void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, torch::Tensor ctx_lens, double scale, int64_t window) {
+  TM_DISPATCH(q, "paged_decode_attention", [&] {
+    paged_decode_attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, ctx_lens, scale, window);
+  });
+}
 
-// ---- fused elementwise ops of the decoder layer (fp32, rows of a [T, dim] activation) ----
 
-static inline float sumsq(const float* x, int64_t n) {
+// ---- fused elementwise ops of the decoder layer (rows of a [T, dim] activation; fp32 or bf16 storage,
+// fp32 math; bf16 results are rounded where transformers' bf16 modules round) ----
+
+template <typename T>
+static inline float sumsq(const T* x, int64_t n) {
   int64_t i = 0;
   float s = 0.f;
 #ifdef TM_AVX2
   __m256 a = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) { __m256 v = _mm256_loadu_ps(x + i); a = _mm256_fmadd_ps(v, v, a); }
+  for (; i + 8 <= n; i += 8) { __m256 v = load8(x + i); a = _mm256_fmadd_ps(v, v, a); }
   s = hsum256(a);
 #endif
-  for (; i < n; ++i) s += x[i] * x[i];
+  for (; i < n; ++i) s += to_f(x[i]) * to_f(x[i]);
   return s;
 }
 
-// out = x * rsqrt(mean(x^2) + eps) * w; with `residual` given, first x += residual (in place)
-void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w,
-              double eps) {
+// out = w * T(x * rsqrt(mean(x^2) + eps)); with `residual` given, first x += residual (in place, in T)
+template <typename T>
+static void rms_norm_impl(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> residual,
+                          torch::Tensor w, double eps) {
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && w.is_contiguous(), "contiguous");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && w.scalar_type() == x.scalar_type(), "dtypes differ");
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
-  float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  const float* rp = nullptr;
+  T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  const T* rp = nullptr;
   if (residual.has_value()) {
-    TORCH_CHECK(residual->is_contiguous(), "contiguous");
-    rp = residual->data_ptr<float>();
+    TORCH_CHECK(residual->is_contiguous() && residual->scalar_type() == x.scalar_type(), "residual layout");
+    rp = residual->data_ptr<T>();
   }
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      float* xr = xp + r * dim;
+      T* xr = xp + r * dim;
       if (rp) {
-        const float* rr = rp + r * dim;
-#pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) xr[i] += rr[i];
+        const T* rr = rp + r * dim;
+        for (int64_t i = 0; i < dim; ++i) xr[i] = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
       }
       const float inv = 1.f / std::sqrt(sumsq(xr, dim) / (float)dim + (float)eps);
-      float* o = op + r * dim;
-#pragma omp simd
-      for (int64_t i = 0; i < dim; ++i) o[i] = wp[i] * (xr[i] * inv);
+      T* o = op + r * dim;
+      for (int64_t i = 0; i < dim; ++i) o[i] = from_f<T>(to_f(wp[i]) * to_f(from_f<T>(to_f(xr[i]) * inv)));
     }
   });
 }
 
+void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w,
+              double eps) {
+  TM_DISPATCH(x, "rms_norm", [&] { rms_norm_impl<scalar_t>(out, x, residual, w, eps); });
+}
+
 // out[t, i] = silu(gu[t, i]) * gu[t, I + i]   (gu: [T, 2I], the fused gate_up projection)
-void silu_mul(torch::Tensor out, torch::Tensor gu) {
-  TORCH_CHECK(gu.is_contiguous() && out.is_contiguous(), "contiguous");
+template <typename T>
+static void silu_mul_impl(torch::Tensor out, torch::Tensor gu) {
+  TORCH_CHECK(gu.is_contiguous() && out.is_contiguous() && out.scalar_type() == gu.scalar_type(), "layout");
   const int64_t I = out.size(-1), rows = out.numel() / I;
-  const float* gp = gu.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T* gp = gu.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* g = gp + r * 2 * I;
-      const float* u = g + I;
-      float* o = op + r * I;
+      const T* g = gp + r * 2 * I;
+      const T* u = g + I;
+      T* o = op + r * I;
       int64_t i = 0;
 #ifdef TM_AVX2
       const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
       for (; i + 8 <= I; i += 8) {
-        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 gv = load8(g + i);
         __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+        store8(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), load8(u + i)));
       }
 #endif
-      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (; i < I; ++i) {
+        const float gf = to_f(g[i]);
+        o[i] = from_f<T>(gf / (1.f + std::exp(-gf)) * to_f(u[i]));
+      }
     }
   });
 }
 
+void silu_mul(torch::Tensor out, torch::Tensor gu) {
+  TM_DISPATCH(gu, "silu_mul", [&] { silu_mul_impl<scalar_t>(out, gu); });
+}
+
 // neox rotary embedding in place on x [T, heads, hd] (any row/head stride, contiguous last dim):
-// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, halves of hd; cos/sin: [max_pos, hd/2]
-void rope_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, halves of hd; cos/sin: [max_pos, hd/2] fp32
+template <typename T>
+static void rope_inplace_impl(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous(), "layout");
-  const int64_t T = x.size(0), H = x.size(1), half = x.size(2) / 2;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "fp32 rotary table");
+  const int64_t T_ = x.size(0), H = x.size(1), half = x.size(2) / 2;
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  float* xp = x.data_ptr<float>();
+  T* xp = x.data_ptr<T>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = 0; t < T_; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " outside the rotary table");
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + pos[t] * half;
       const float* s = sp + pos[t] * half;
       for (int64_t h = 0; h < H; ++h) {
-        float* x1 = xp + t * s0 + h * s1;
-        float* x2 = x1 + half;
-#pragma omp simd
+        T* x1 = xp + t * s0 + h * s1;
+        T* x2 = x1 + half;
         for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i], b = x2[i];
-          x1[i] = a * c[i] - b * s[i];
-          x2[i] = b * c[i] + a * s[i];
+          const float a = to_f(x1[i]), b = to_f(x2[i]);
+          x1[i] = from_f<T>(a * c[i] - b * s[i]);
+          x2[i] = from_f<T>(b * c[i] + a * s[i]);
         }
       }
     }
   });
+}
+
+void rope_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  TM_DISPATCH(x, "rope_inplace", [&] { rope_inplace_impl<scalar_t>(x, positions, cos, sin); });
 }
 
 
@@ -269,20 +326,23 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
               torch::Tensor slot_mapping) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k.stride(2) == 1 && v.stride(2) == 1,
               "layout");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
+              k.scalar_type() == v.scalar_type(), "K/V and the cache must share a dtype");
   const int64_t T = k.size(0), kvh = k.size(1), hd = k.size(2);
   const int64_t NB = k_cache.size(0), bs = k_cache.size(2);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < NB * bs, "slot out of range");
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const int64_t es = k.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
   for (int64_t t = 0; t < T; ++t) {
     const int64_t blk = slots[t] / bs, off = slots[t] % bs;
     for (int64_t h = 0; h < kvh; ++h) {
       const int64_t dst = ((blk * kvh + h) * bs + off) * hd;
-      std::memcpy(kc + dst, kp + t * k.stride(0) + h * k.stride(1), hd * sizeof(float));
-      std::memcpy(vc + dst, vp + t * v.stride(0) + h * v.stride(1), hd * sizeof(float));
+      std::memcpy(kc + dst * es, kp + (t * k.stride(0) + h * k.stride(1)) * es, hd * es);
+      std::memcpy(vc + dst * es, vp + (t * v.stride(0) + h * v.stride(1)) * es, hd * es);
     }
   }
 }
@@ -290,11 +350,11 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
 
 // y[m, :] = W x[m, :] (+ b) for a few rows m (decode at small batch): streams W [N, K] once, row by row,
 // with every x row held in L1, so the weight read runs near the memory bandwidth (memory-bound regime,
-// where blocked GEMMs leave bandwidth unused). Parallel over output rows.
+// where blocked GEMMs leave bandwidth unused). Parallel over output rows. bf16 weights halve the bytes read.
 #ifdef TM_AVX2
 // R weight rows x M input rows per pass: R*M = 8 independent accumulator chains (FMA latency hidden)
-template <int M, int R>
-static void linear_small_rows(const float* xp, const float* wp, float* op, const float* bp, int64_t K, int64_t N,
+template <int M, int R, typename T>
+static void linear_small_rows(const T* xp, const T* wp, T* op, const T* bp, int64_t K, int64_t N,
                               int64_t n0, int64_t n1) {
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
@@ -303,36 +363,35 @@ static void linear_small_rows(const float* xp, const float* wp, float* op, const
       for (int m = 0; m < M; ++m) a[r][m] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 8) {
       __m256 xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(xp + m * K + k);
+      for (int m = 0; m < M; ++m) xv[m] = load8(xp + m * K + k);
       for (int r = 0; r < R; ++r) {
-        const __m256 wv = _mm256_loadu_ps(wp + (n + r) * K + k);
+        const __m256 wv = load8(wp + (n + r) * K + k);
         for (int m = 0; m < M; ++m) a[r][m] = _mm256_fmadd_ps(wv, xv[m], a[r][m]);
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) op[m * N + n + r] = hsum256(a[r][m]) + (bp ? bp[n + r] : 0.f);
+      for (int m = 0; m < M; ++m) op[m * N + n + r] = from_f<T>(hsum256(a[r][m]) + (bp ? to_f(bp[n + r]) : 0.f));
   }
   for (; n < n1; ++n)  // leftover rows
     for (int m = 0; m < M; ++m) {
       __m256 a = _mm256_setzero_ps();
-      for (int64_t k = 0; k < K; k += 8)
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(wp + n * K + k), _mm256_loadu_ps(xp + m * K + k), a);
-      op[m * N + n] = hsum256(a) + (bp ? bp[n] : 0.f);
+      for (int64_t k = 0; k < K; k += 8) a = _mm256_fmadd_ps(load8(wp + n * K + k), load8(xp + m * K + k), a);
+      op[m * N + n] = from_f<T>(hsum256(a) + (bp ? to_f(bp[n]) : 0.f));
     }
 }
 #endif
 
-// y[m, :] = W x[m, :] (+ b) for a few rows m (decode at small batch): streams W [N, K] once, in order,
-// with the x rows held in L1, so the weight read runs near the memory bandwidth (the memory-bound regime,
-// where blocked GEMMs leave bandwidth unused). Parallel over output rows.
-void linear_small(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+template <typename T>
+static void linear_small_impl(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "contiguous");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type() &&
+              (!bias.has_value() || bias->scalar_type() == x.scalar_type()), "x, W, b and out must share a dtype");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == N && M >= 1 && M <= 8, "shapes");
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
   at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
 #ifdef TM_AVX2
     if (K % 8 == 0) {
@@ -351,17 +410,24 @@ void linear_small(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::opti
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m) {
         float s = 0.f;
-        for (int64_t k = 0; k < K; ++k) s += xp[m * K + k] * wp[n * K + k];
-        op[m * N + n] = s + (bp ? bp[n] : 0.f);
+        for (int64_t k = 0; k < K; ++k) s += to_f(xp[m * K + k]) * to_f(wp[n * K + k]);
+        op[m * N + n] = from_f<T>(s + (bp ? to_f(bp[n]) : 0.f));
       }
   });
 }
 
+// y[m, :] = W x[m, :] (+ b) for a few rows m (decode at small batch): streams W [N, K] once, in order,
+// with the x rows held in L1, so the weight read runs near the memory bandwidth (the memory-bound regime,
+// where blocked GEMMs leave bandwidth unused). Parallel over output rows.
+void linear_small(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  TM_DISPATCH(x, "linear_small", [&] { linear_small_impl<scalar_t>(out, x, w, bias); });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)");
-  m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (CPU, fp32)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection (CPU, fp32)");
-  m.def("linear_small", &linear_small, "y = x W^T (+ b) for at most 8 rows, W streamed once (CPU, fp32)");
-  m.def("write_kv", &write_kv, "write this step's K/V into their cache slots (CPU, fp32)");
-  m.def("rope_inplace", &rope_inplace, "neox rotary embedding in place (CPU, fp32)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32/bf16)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (CPU, fp32/bf16)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection (CPU, fp32/bf16)");
+  m.def("linear_small", &linear_small, "y = x W^T (+ b) for at most 8 rows, W streamed once (CPU, fp32/bf16)");
+  m.def("write_kv", &write_kv, "write this step's K/V into their cache slots (CPU, fp32/bf16)");
+  m.def("rope_inplace", &rope_inplace, "neox rotary embedding in place (CPU, fp32/bf16)");
 }
