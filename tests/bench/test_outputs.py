@@ -6,7 +6,7 @@ from .fake_server import Script
 from .helpers import run_bench
 
 TOP = {"schema_version", "command", "target", "tokenizer", "workload", "seed", "slos", "load", "plan_digest",
-       "summary", "classes", "sweep", "warnings"}
+       "summary", "classes", "sweep", "warnings", "environment"}
 SUMMARY = {"requests", "completed", "rejected", "failed", "good", "slo_attainment", "duration_s",
            "request_throughput", "input_throughput", "output_throughput", "goodput", "goodput_output_throughput",
            "prompt_tokens", "output_tokens", "usage_prompt_tokens", "cached_tokens", "prefix_cache_hit_rate",
@@ -27,6 +27,7 @@ def test_result_schema_plots_and_determinism(fake_server, tmp_path):
     assert set(a) == TOP and a["schema_version"] == 1 and a["sweep"] is None
     assert set(a["summary"]) == SUMMARY and set(a["summary"]["ttft_ms"]) == DIST
     assert set(a["classes"]) == {"interactive", "batch"}
+    assert {"cpu_model", "cpu_flags", "native_bf16", "native_int8"} <= set(a["environment"]["client"])
     assert a["slos"]["interactive"] == {"ttft_ms": 500.0, "tpot_ms": 50.0, "e2e_ms": None}
     assert a["slos"]["batch"] == {"ttft_ms": None, "tpot_ms": None, "e2e_ms": 9000.0}
     assert a["load"] == {"mode": "rate", "rate": 40.0, "concurrency": None, "arrival": "poisson",

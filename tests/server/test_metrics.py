@@ -55,6 +55,11 @@ def test_vllm_names_and_types(fake_server):
     assert ("vllm:request_success_total", frozenset({("model_name", "fake"), ("engine", "0"),
                                                      ("finished_reason", "length")})) in samples
     assert types.get("tokenmill_kv_usage_ratio") == "gauge"
+    from tokenmill.hardware import capabilities
+
+    hw = capabilities()
+    assert value(samples, "tokenmill_hardware_info", cpu_flags=" ".join(hw.cpu_flags),
+                 native_bf16=str(hw.native_bf16).lower()) == 1
     assert not any(n.endswith("_created") for n, _ in samples)
 
 

@@ -13,6 +13,7 @@ from tokenmill.bench.record import RequestRecord
 from tokenmill.bench.runner import LoadConfig
 from tokenmill.bench.slo import SLO
 from tokenmill.bench.sweep import SweepOutcome
+from tokenmill.hardware import capabilities
 
 SCHEMA_VERSION = 1
 SEND_LAG_WARN_MS = 50.0
@@ -97,6 +98,7 @@ def to_json(result: BenchResult) -> dict:
                        for p, run in zip(result.sweep.points, result.runs)],
         },
         "warnings": result.warnings,
+        "environment": {"client": capabilities().to_json()},  # the machine that ran the benchmark
     }
 
 

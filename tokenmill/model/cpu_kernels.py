@@ -19,12 +19,18 @@ log = logging.getLogger("tokenmill.kernels")
 _state: dict = {}
 
 
-def _isa_flags() -> list[str]:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].split()
-    except (OSError, IndexError):
-        return []
-    return ["-mavx2", "-mfma"] if "avx2" in flags and "fma" in flags else []
+def _isa_flags() -> tuple[str, list[str]]:
+    """(build-name suffix, compiler flags) for this CPU: AVX2+FMA, plus AVX-512 bf16 dot products where they
+    are native (and not capped away by ONEDNN_MAX_CPU_ISA, so an older CPU can be emulated on this one)."""
+    from tokenmill.hardware import capabilities
+
+    caps = capabilities()
+    if "avx2" not in caps.cpu_flags or "fma" not in caps.cpu_flags:
+        return "", []
+    flags = ["-mavx2", "-mfma"]
+    if caps.native_bf16 and "avx512_bf16" in caps.cpu_flags:
+        return "_avx512bf16", flags + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+    return "_avx2", flags
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # storage types; the math is fp32 in both
@@ -55,8 +61,8 @@ def get_kernels():
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         log.info("loading the CPU attention kernel (compiled once per machine, ~1 minute the first time)")
 
-        isa = _isa_flags()
-        name = "tokenmill_cpu_kernels_v8" + ("_avx2" if isa else "")
+        suffix, isa = _isa_flags()
+        name = "tokenmill_cpu_kernels_v9" + suffix
         src = Path(__file__).parent / "csrc" / "paged_decode.cpp"
         _state["mod"] = load(name=name, sources=[str(src)], extra_cflags=["-O3", "-fopenmp", *isa],
                              extra_ldflags=["-fopenmp"], verbose=False)

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.engine.outputs import EngineStats
+from tokenmill.hardware import capabilities
 
 # vLLM v1 does the same: no `_created` series next to every counter and histogram.
 prometheus_client.disable_created_metrics()
@@ -182,6 +183,11 @@ class _EngineCollector:
         info_vals = vals + [str(s.block_size), str(s.kv_blocks_total), str(self.enable_prefix_caching)]
         yield gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1, info_labels, info_vals)
         # tokenmill's own series
+        hw = capabilities()
+        yield gauge("tokenmill_hardware_info", "What this machine computes natively (the precision --dtype auto picks).",
+                    1, ["cpu_model", "cpu_flags", "native_bf16", "native_int8", "cuda"],
+                    [hw.cpu_model, " ".join(hw.cpu_flags), str(hw.native_bf16).lower(), str(hw.native_int8).lower(),
+                     f"{hw.cuda_name} sm{hw.cuda_capability[0]}{hw.cuda_capability[1]}" if hw.cuda_name else ""])
         mlab, mval = ["model_name"], [self.m.model_name]
         yield gauge("tokenmill_requests_running", "Requests in the engine's running batch.", s.num_running, mlab, mval)
         yield gauge("tokenmill_requests_waiting", "Requests in the engine's waiting queue.", s.num_waiting, mlab, mval)

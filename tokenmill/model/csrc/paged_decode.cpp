@@ -94,6 +94,7 @@ static void paged_decode_attention_impl(
   at::parallel_for(0, D * kvh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc;
+    std::vector<float> qf;  // this (sequence, kv head)'s G query rows in fp32, converted once
     for (int64_t task = begin; task < end; ++task) {
       const int64_t d = task / kvh, h = task % kvh;
       const int64_t ctx = lens[d];
@@ -102,7 +103,9 @@ static void paged_decode_attention_impl(
       scores.resize(G * n);
       acc.assign(G * hd, 0.f);
       const int64_t* row = bt + d * MB;
-      const T* qh = qp + d * qs0 + h * G * qs1;
+      qf.resize(G * hd);
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t e = 0; e < hd; ++e) qf[g * hd + e] = to_f(qp[d * qs0 + (h * G + g) * qs1 + e]);
 #ifdef TM_AVX2
       const bool vec = hd % 8 == 0;
 #else
@@ -123,7 +126,7 @@ static void paged_decode_attention_impl(
         for (int64_t t = t0; t < t1; ++t) {
           const T* kt = kb + (t - b * bs) * hd;
           for (int64_t g = 0; g < G; ++g) {
-            const T* qg = qh + g * qs1;
+            const float* qg = qf.data() + g * hd;
             float s = 0.f;
 #ifdef TM_AVX2
             if (vec) {
@@ -381,6 +384,66 @@ static void linear_small_rows(const T* xp, const T* wp, T* op, const T* bp, int6
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// bf16 weights and inputs on CPUs with bf16 dot products: vdpbf16ps multiplies 32 bf16 pairs per instruction
+// into 16 fp32 sums (no conversion step), so the weight stream stays at memory speed
+template <int M, int R>
+static void linear_small_rows_dpbf16(const at::BFloat16* xp, const at::BFloat16* wp, at::BFloat16* op,
+                                     const at::BFloat16* bp, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    __m512 a[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) a[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512bh xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(xp + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wp + (n + r) * K + k);
+        for (int m = 0; m < M; ++m) a[r][m] = _mm512_dpbf16_ps(a[r][m], wv, xv[m]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m)
+        op[m * N + n + r] = at::BFloat16(_mm512_reduce_add_ps(a[r][m]) + (bp ? to_f(bp[n + r]) : 0.f));
+  }
+  for (; n < n1; ++n)
+    for (int m = 0; m < M; ++m) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 32)
+        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(wp + n * K + k), (__m512bh)_mm512_loadu_si512(xp + m * K + k));
+      op[m * N + n] = at::BFloat16(_mm512_reduce_add_ps(a) + (bp ? to_f(bp[n]) : 0.f));
+    }
+}
+
+static bool linear_small_dpbf16(const at::BFloat16* xp, const at::BFloat16* wp, at::BFloat16* op,
+                                const at::BFloat16* bp, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  if (K % 32) return false;
+  switch (M) {
+    case 1: linear_small_rows_dpbf16<1, 8>(xp, wp, op, bp, K, N, n0, n1); break;
+    case 2: linear_small_rows_dpbf16<2, 4>(xp, wp, op, bp, K, N, n0, n1); break;
+    case 3: linear_small_rows_dpbf16<3, 2>(xp, wp, op, bp, K, N, n0, n1); break;
+    case 4: linear_small_rows_dpbf16<4, 2>(xp, wp, op, bp, K, N, n0, n1); break;
+    case 5: linear_small_rows_dpbf16<5, 1>(xp, wp, op, bp, K, N, n0, n1); break;
+    case 6: linear_small_rows_dpbf16<6, 1>(xp, wp, op, bp, K, N, n0, n1); break;
+    case 7: linear_small_rows_dpbf16<7, 1>(xp, wp, op, bp, K, N, n0, n1); break;
+    default: linear_small_rows_dpbf16<8, 1>(xp, wp, op, bp, K, N, n0, n1); break;
+  }
+  return true;
+}
+#endif
+static bool linear_small_dpbf16_dispatch(const float*, const float*, float*, const float*, int64_t, int64_t, int64_t,
+                                         int64_t, int64_t) { return false; }
+static bool linear_small_dpbf16_dispatch(const at::BFloat16* xp, const at::BFloat16* wp, at::BFloat16* op,
+                                         const at::BFloat16* bp, int64_t M, int64_t K, int64_t N, int64_t n0,
+                                         int64_t n1) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  return linear_small_dpbf16(xp, wp, op, bp, M, K, N, n0, n1);
+#else
+  return false;
+#endif
+}
+
 template <typename T>
 static void linear_small_impl(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous(), "contiguous");
@@ -393,6 +456,7 @@ static void linear_small_impl(torch::Tensor out, torch::Tensor x, torch::Tensor 
   T* op = out.data_ptr<T>();
   const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
   at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+    if (linear_small_dpbf16_dispatch(xp, wp, op, bp, M, K, N, n0, n1)) return;
 #ifdef TM_AVX2
     if (K % 8 == 0) {
       switch (M) {
