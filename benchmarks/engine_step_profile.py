@@ -34,6 +34,7 @@ def main() -> int:
     ap.add_argument("--output-len", default="32:128")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtype", default="auto", help="tokenmill --dtype (auto: bf16 where the CPU has native bf16)")
+    ap.add_argument("--quantization", default="none", help="tokenmill --quantization (none | int8)")
     args = ap.parse_args()
 
     from tokenmill.engine.llm import LLM
@@ -42,7 +43,8 @@ def main() -> int:
 
     torch.set_num_threads(args.threads[0])
     llm = LLM(model=args.model, num_threads=args.threads[0], enable_prefix_caching=False,
-              max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
+              max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+              quantization=args.quantization)
     eng = llm.engine
     spent: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
@@ -67,7 +69,8 @@ def main() -> int:
     F.scaled_dot_product_attention = timed("SDPA (prefill attention)", F.scaled_dot_product_attention)
     torch.ops.mkldnn._linear_pointwise = timed("oneDNN linear", torch.ops.mkldnn._linear_pointwise)
     F.linear = timed("F.linear", F.linear)
-    ops += ["SDPA (prefill attention)", "oneDNN linear", "F.linear"]
+    torch._int_mm = timed("int8 GEMM (torch._int_mm)", torch._int_mm)
+    ops += ["SDPA (prefill attention)", "oneDNN linear", "F.linear", "int8 GEMM (torch._int_mm)"]
     eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
     eng.runner.execute = timed("execute", eng.runner.execute)
     eng._postprocess = timed("postprocess", eng._postprocess)
@@ -87,7 +90,8 @@ def main() -> int:
 
     from tokenmill.hardware import capabilities
 
-    print(f"# CPU: {capabilities().summary()}; {str(eng.dtype).replace('torch.', '')}")
+    print(f"# CPU: {capabilities().summary()}; {str(eng.dtype).replace('torch.', '')}, "
+          f"quantization {args.quantization}")
     print(f"{args.model}: {args.num_requests} requests, {sum(outs)} output tokens, {columns[0][2]['execute']} steps; "
           + ", ".join(f"{t} thread(s): {w:.2f} s, {sum(outs) / w:.0f} output tok/s" for t, (w, _, _) in
                       zip(args.threads, columns)) + "\n")

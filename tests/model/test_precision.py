@@ -170,3 +170,72 @@ def test_quality_gate_bf16_on_the_demo_model():
     q = heldout_quality(Scorer("demo", torch.bfloat16), held, reference=Scorer("demo", torch.float32))
     assert q["loss"] <= q["reference_loss"] * 1.005, q
     assert q["agreement"] >= 0.95, q
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_quantize_dequantize_and_small_kernel_against_pytorch(dtype):
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(11, 100, generator=g) * 3).to(dtype)
+    x[4] = 0  # an all-zero row gets scale 1, not a division by zero
+    q, sx = torch.empty(11, 100, dtype=torch.int8), torch.empty(11)
+    kernels.quantize_rows(q, sx, x)
+    xf = x.float()
+    want_s = torch.where(xf.abs().amax(1) > 0, xf.abs().amax(1) / 127, torch.ones(11))
+    torch.testing.assert_close(sx, want_s)
+    assert (q.int() - torch.round(xf / want_s[:, None]).int()).abs().max() <= 1  # rounding at ties may differ
+    acc = torch.randint(-(1 << 20), 1 << 20, (11, 37), dtype=torch.int32, generator=g)
+    sw, b = torch.rand(37, generator=g), torch.randn(37, generator=g).to(dtype)
+    out = torch.empty(11, 37, dtype=dtype)
+    kernels.dequant_rows(out, acc, sx, sw, b)
+    torch.testing.assert_close(out.float(), acc.float() * sx[:, None] * sw + b.float(), rtol=1.6e-2, atol=1e-3)
+    w8 = torch.randint(-127, 128, (37, 100), dtype=torch.int8, generator=g)
+    out = torch.empty(3, 37, dtype=dtype)
+    kernels.linear_small_int8(out, x[:3].contiguous(), w8, sw, b)
+    torch.testing.assert_close(out.float(), F.linear(x[:3].float(), w8.float()) * sw + b.float(),
+                               rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_int8_linear_method_is_w8a8_of_the_plain_layer(rows):
+    from tokenmill.model.linear import Int8LinearMethod, Linear
+
+    g = torch.Generator().manual_seed(rows)
+    lin = Linear(96, 64, bias=True, method=Int8LinearMethod())
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(64, 96, generator=g) * 0.1)
+        lin.bias.copy_(torch.randn(64, generator=g))
+    w = lin.weight.detach().clone()
+    lin.method.process_weights_after_loading(lin)
+    assert lin.weight.numel() == 0 and lin.w8.dtype == torch.int8  # the float weight is not kept
+    x = torch.randn(rows, 96, generator=g)
+    ref = F.linear(x, w, lin.bias)
+    err = ((lin(x) - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, err  # int8 weights (and activations above 8 rows): about 1% relative error
+    assert err > 1e-6  # and it really is quantized, not the float layer
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quality_gate_int8_on_the_demo_model(dtype):
+    """int8 W8A8 held-out loss within +3% of fp32's; greedy agreement >= 90% on the first 64 positions."""
+    td = load_train_demo()
+    held = td.windows(td.load_stream("heldout"), 256)
+    held = held[torch.linspace(0, len(held) - 1, 12).long()]
+    q = heldout_quality(Scorer("demo", dtype, quantization="int8"), held, reference=Scorer("demo", torch.float32))
+    assert q["loss"] <= q["reference_loss"] * 1.03, q
+    assert q["agreement"] >= 0.90, q
+
+
+def test_llm_and_cli_take_quantization(tiny_dir, capsys):
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.cli import main
+    from tokenmill.errors import TokenmillError
+
+    llm = LLM(str(tiny_dir), quantization="int8", kv_cache_bytes="8MiB")
+    assert "with int8 weights" in llm.engine.describe()
+    out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 6
+    with pytest.raises(TokenmillError, match="unknown quantization 'fp4'"):
+        LLM(str(tiny_dir), quantization="fp4")
+    assert main(["generate", "--model", str(tiny_dir), "--prompt", "x = 1", "--max-tokens", "4",
+                 "--quantization", "int8", "--kv-cache-bytes", "8MiB"]) == 0

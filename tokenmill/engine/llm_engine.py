@@ -49,7 +49,8 @@ class LLMEngine:
         if c.max_model_len and c.max_model_len > self.kv_capacity_tokens:
             raise ModelLoadError(f"max_model_len={c.max_model_len} does not fit the KV cache "
                                  f"({self.kv_capacity_tokens} tokens); raise kv_cache_bytes or lower max_model_len")
-        model = load_model(self.model_path, cfg, self.device, self.dtype, max_positions=self.max_model_len)
+        model = load_model(self.model_path, cfg, self.device, self.dtype, max_positions=self.max_model_len,
+                           quantization=c.quantization)
         window = cfg.sliding_window if cfg.sliding_window and cfg.sliding_window < self.max_model_len else None
         self.runner = ModelRunner(model, cfg, self.device, self.dtype, num_blocks, c.block_size, window)
         self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
@@ -197,6 +198,7 @@ class LLMEngine:
     def describe(self) -> str:
         c, cfg = self.config, self.model_config
         return (f"model {self.model_name} ({cfg.architecture}, {cfg.num_params() / 1e6:.1f}M params) on "
-                f"{self.device} in {str(self.dtype).replace('torch.', '')}; KV cache {self.kv.pool.num_blocks} "
+                f"{self.device} in {str(self.dtype).replace('torch.', '')}"
+                f"{'' if c.quantization == 'none' else ' with ' + c.quantization + ' weights (W8A8)'}; KV cache {self.kv.pool.num_blocks} "
                 f"blocks x {c.block_size} = {self.kv_capacity_tokens} tokens; max_model_len {self.max_model_len}; "
                 f"prefix caching {'on' if c.enable_prefix_caching else 'off'}; {capabilities().summary()}")

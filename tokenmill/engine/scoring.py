@@ -25,10 +25,10 @@ class Scorer:
     for every new token."""
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, num_blocks: int = 64,
-                 block_size: int = 16, max_positions: int = 2048):
+                 block_size: int = 16, max_positions: int = 2048, quantization: str = "none"):
         path = resolve_model_path(str(path))
         self.cfg = ModelConfig.from_dir(path)
-        model = load_model(path, self.cfg, torch.device("cpu"), dtype, max_positions)
+        model = load_model(path, self.cfg, torch.device("cpu"), dtype, max_positions, quantization)
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
         self.runner = ModelRunner(model, self.cfg, torch.device("cpu"), dtype, num_blocks, block_size,
                                   sliding_window=self.cfg.sliding_window)

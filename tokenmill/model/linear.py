@@ -104,7 +104,53 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.packed = PackedWeight.maybe(layer.weight)  # beside the plain weight, which small batches read
 
 
-LINEAR_METHODS: dict[str, Callable[[], LinearMethod]] = {"none": UnquantizedLinearMethod}
+class Int8LinearMethod(UnquantizedLinearMethod):
+    """W8A8 dynamic: the checkpoint's weights are quantized at load time per output channel (symmetric,
+    scale = max|w_n| / 127); at run time each activation row gets its own scale, and the product runs as a real
+    int8 GEMM (`torch._int_mm`, int32 accumulation) between a fused C++ quantize and a fused dequantize
+    (scales and bias applied in one pass). Calls with at most 8 rows (decode at small batch: memory-bound)
+    stream the int8 weights once through `linear_small_int8` instead, with the activations kept in their
+    dtype. Nothing is dequantized to a float matmul on the hot path."""
+
+    SMALL_ROWS = 8
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        w = layer.weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        layer.w8 = q.contiguous()  # [N, K] for the small-batch kernel
+        layer.w8_t = q.t().contiguous()  # [K, N] for torch._int_mm
+        layer.w_scale = scale.contiguous()
+        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)  # freed
+        layer.packed = None
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        from tokenmill.model.cpu_kernels import kernels_for
+
+        lead, k_in = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k_in).contiguous()
+        m, n = x2.shape[0], layer.out_features
+        kernels = kernels_for(x2)
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        if kernels is not None and 0 < m <= self.SMALL_ROWS:
+            kernels.linear_small_int8(out, x2, layer.w8, layer.w_scale, layer.bias)
+        elif kernels is not None:
+            q = torch.empty(m, k_in, dtype=torch.int8)
+            sx = torch.empty(m, dtype=torch.float32)
+            kernels.quantize_rows(q, sx, x2)
+            kernels.dequant_rows(out, torch._int_mm(q, layer.w8_t), sx, layer.w_scale, layer.bias)
+        else:  # reference path (CUDA, fp16, no compiler): the same math in PyTorch ops
+            xf = x2.float()
+            sx = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
+            q = torch.round(xf / sx).clamp_(-127, 127).to(torch.int8)
+            acc = torch._int_mm(q, layer.w8_t).float() if x.device.type == "cpu" else q.float() @ layer.w8_t.float()
+            y = acc * sx * layer.w_scale
+            out = (y + layer.bias.float() if layer.bias is not None else y).to(x.dtype)
+        return out.view(*lead, n)
+
+
+LINEAR_METHODS: dict[str, Callable[[], LinearMethod]] = {"none": UnquantizedLinearMethod, "int8": Int8LinearMethod}
+QUANTIZATIONS = tuple(LINEAR_METHODS)
 
 
 class Linear(nn.Module):

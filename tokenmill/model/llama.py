@@ -4,6 +4,8 @@ tied embeddings) over a paged KV cache. Takes a flat batch of new tokens from ma
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,16 +14,16 @@ from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu_kernels import kernels_for
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding
-from tokenmill.model.linear import Linear, PackedWeight
+from tokenmill.model.linear import LINEAR_METHODS, Linear, LinearMethod, PackedWeight
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, method: Callable[[], LinearMethod]):
         super().__init__()
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, bias=cfg.qkv_bias, dtype=dtype,
+        self.qkv_proj = Linear(cfg.hidden_size, bias=cfg.qkv_bias, dtype=dtype, method=method(),
                                shards=[("q", self.nh * self.hd), ("k", self.nkv * self.hd), ("v", self.nkv * self.hd)])
-        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype, method=method())
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = self.hd ** -0.5
@@ -39,12 +41,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, method: Callable[[], LinearMethod]):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype,
+        self.gate_up_proj = Linear(cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype, method=method(),
                                    shards=[("gate", self.inter), ("up", self.inter)])
-        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias, dtype=dtype, method=method())
 
     def forward(self, x):
         gu = self.gate_up_proj(x)
@@ -58,12 +60,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, method: Callable[[], LinearMethod]):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype)
+        self.self_attn = Attention(cfg, dtype, method)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = MLP(cfg, dtype, method)
 
     def forward(self, x, positions, rope, cache, meta):
         """x is the residual stream; this layer owns it (it is updated in place and returned)."""
@@ -73,12 +75,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int, quantization: str = "none"):
+        """`quantization` picks the LinearMethod of the decoder's projections (linear.LINEAR_METHODS);
+        embeddings and lm_head stay in `dtype`."""
         super().__init__()
         self.cfg = cfg
+        method = LINEAR_METHODS[quantization]
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, method) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope)
         if cfg.tie_word_embeddings:

@@ -179,9 +179,9 @@ def pick_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtyp
 
 
 def load_model(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               max_positions: int) -> LlamaModel:
+               max_positions: int, quantization: str = "none") -> LlamaModel:
     with torch.device("cpu"):
-        model = LlamaModel(cfg, dtype, max_positions)
+        model = LlamaModel(cfg, dtype, max_positions, quantization)
     load_weights(model, path, device)
     model = model.to(device).eval()
     model.process_weights_after_loading()

@@ -174,17 +174,23 @@ static void paged_decode_attention_impl(
         const T* vb = vp + (row[b] * kvh + h) * bs * hd;
         for (int64_t t = t0; t < t1; ++t) {
           const T* vt = vb + (t - b * bs) * hd;
+#ifdef TM_AVX2
+          if (vec && G <= 8) {  // each V chunk is loaded (and converted) once for all G query heads
+            __m256 pv[8];
+            for (int64_t g = 0; g < G; ++g) pv[g] = _mm256_set1_ps(scores[g * n + (t - start)]);
+            for (int64_t e = 0; e < hd; e += 8) {
+              const __m256 v8 = load8(vt + e);
+              for (int64_t g = 0; g < G; ++g) {
+                float* ag = acc.data() + g * hd + e;
+                _mm256_storeu_ps(ag, _mm256_fmadd_ps(pv[g], v8, _mm256_loadu_ps(ag)));
+              }
+            }
+            continue;
+          }
+#endif
           for (int64_t g = 0; g < G; ++g) {
             const float p = scores[g * n + (t - start)];
             float* ag = acc.data() + g * hd;
-#ifdef TM_AVX2
-            if (vec) {
-              const __m256 pv = _mm256_set1_ps(p);
-              for (int64_t e = 0; e < hd; e += 8)
-                _mm256_storeu_ps(ag + e, _mm256_fmadd_ps(pv, load8(vt + e), _mm256_loadu_ps(ag + e)));
-              continue;
-            }
-#endif
             for (int64_t e = 0; e < hd; ++e) ag[e] += p * to_f(vt[e]);
           }
         }
@@ -487,6 +493,134 @@ void linear_small(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::opti
   TM_DISPATCH(x, "linear_small", [&] { linear_small_impl<scalar_t>(out, x, w, bias); });
 }
 
+// ---- int8 W8A8 (dynamic per-token activation scales, per-output-channel weight scales) ----
+
+// q[m, :] = round(x[m, :] / s[m]) with s[m] = max|x[m, :]| / 127 (1 for an all-zero row); one pass per row
+template <typename T>
+static void quantize_rows_impl(torch::Tensor q, torch::Tensor scale, torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && q.is_contiguous() && q.scalar_type() == at::kChar &&
+              scale.scalar_type() == at::kFloat, "quantize_rows: layout");
+  const int64_t K = x.size(-1), M = x.numel() / K;
+  const T* xp = x.data_ptr<T>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const T* xr = xp + m * K;
+      float amax = 0.f;
+      int64_t k = 0;
+#ifdef TM_AVX2
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      __m256 mx = _mm256_setzero_ps();
+      for (; k + 8 <= K; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load8(xr + k)));
+      float lanes[8];
+      _mm256_storeu_ps(lanes, mx);
+      for (float v : lanes) amax = std::max(amax, v);
+#endif
+      for (; k < K; ++k) amax = std::max(amax, std::fabs(to_f(xr[k])));
+      const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
+      sp[m] = s;
+      int8_t* qr = qp + m * K;
+      k = 0;
+#ifdef TM_AVX2
+      const __m256 iv = _mm256_set1_ps(inv);
+      for (; k + 8 <= K; k += 8) {  // |x * inv| <= 127 by construction: no clamp needed before the packs
+        const __m256i i32 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xr + k), iv));  // round to nearest even
+        const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + k), _mm_packs_epi16(i16, i16));
+      }
+#endif
+      for (; k < K; ++k) qr[k] = (int8_t)std::nearbyint(std::min(127.f, std::max(-127.f, to_f(xr[k]) * inv)));
+    }
+  });
+}
+
+void quantize_rows(torch::Tensor q, torch::Tensor scale, torch::Tensor x) {
+  TM_DISPATCH(x, "quantize_rows", [&] { quantize_rows_impl<scalar_t>(q, scale, x); });
+}
+
+// out[m, n] = acc[m, n] * sx[m] * sw[n] (+ b[n]); acc: the int32 result of the int8 GEMM
+template <typename T>
+static void dequant_rows_impl(torch::Tensor out, torch::Tensor acc, torch::Tensor sx, torch::Tensor sw,
+                              c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(out.is_contiguous() && acc.is_contiguous() && acc.scalar_type() == at::kInt &&
+              sx.scalar_type() == at::kFloat && sw.scalar_type() == at::kFloat, "dequant_rows: layout");
+  const int64_t M = acc.size(0), N = acc.size(1);
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  const float* sxp = sx.data_ptr<float>();
+  const float* swp = sw.data_ptr<float>();
+  const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float s = sxp[m];
+      const int32_t* ar = ap + m * N;
+      T* o = op + m * N;
+      int64_t n = 0;
+#ifdef TM_AVX2
+      const __m256 sv = _mm256_set1_ps(s);
+      for (; n + 8 <= N; n += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(ar + n))), sv),
+                                 _mm256_loadu_ps(swp + n));
+        if (bp) v = _mm256_add_ps(v, load8(bp + n));
+        store8(o + n, v);
+      }
+#endif
+      for (; n < N; ++n) o[n] = from_f<T>((float)ar[n] * s * swp[n] + (bp ? to_f(bp[n]) : 0.f));
+    }
+  });
+}
+
+void dequant_rows(torch::Tensor out, torch::Tensor acc, torch::Tensor sx, torch::Tensor sw,
+                  c10::optional<torch::Tensor> bias) {
+  TM_DISPATCH(out, "dequant_rows", [&] { dequant_rows_impl<scalar_t>(out, acc, sx, sw, bias); });
+}
+
+// y[m, n] = sw[n] * sum_k W8[n, k] x[m, k] (+ b[n]) for at most 8 rows: int8 weights [N, K] streamed once
+// (a quarter of fp32's bytes), x kept in fp32 (no activation quantization: decode is memory-bound)
+template <typename T>
+static void linear_small_int8_impl(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch::Tensor sw,
+                                   c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.is_contiguous() && w8.is_contiguous() && out.is_contiguous() && w8.scalar_type() == at::kChar,
+              "linear_small_int8: layout");
+  const int64_t M = x.size(0), K = x.size(1), N = w8.size(0);
+  TORCH_CHECK(w8.size(1) == K && out.size(0) == M && out.size(1) == N && M >= 1 && M <= 8, "shapes");
+  std::vector<float> xf(M * K);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = to_f(xp[i]);
+  const int8_t* wp = w8.data_ptr<int8_t>();
+  const float* swp = sw.data_ptr<float>();
+  const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* wr = wp + n * K;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xr = xf.data() + m * K;
+        float acc = 0.f;
+        int64_t k = 0;
+#ifdef TM_AVX2
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (; k + 16 <= K; k += 16) {
+          const __m128i w16 = _mm_loadu_si128((const __m128i*)(wr + k));
+          a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w16)), _mm256_loadu_ps(xr + k), a0);
+          a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w16, 8))),
+                               _mm256_loadu_ps(xr + k + 8), a1);
+        }
+        acc = hsum256(_mm256_add_ps(a0, a1));
+#endif
+        for (; k < K; ++k) acc += (float)wr[k] * xr[k];
+        op[m * N + n] = from_f<T>(acc * swp[n] + (bp ? to_f(bp[n]) : 0.f));
+      }
+    }
+  });
+}
+
+void linear_small_int8(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch::Tensor sw,
+                       c10::optional<torch::Tensor> bias) {
+  TM_DISPATCH(x, "linear_small_int8", [&] { linear_small_int8_impl<scalar_t>(out, x, w8, sw, bias); });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32/bf16)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (CPU, fp32/bf16)");
@@ -494,4 +628,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small", &linear_small, "y = x W^T (+ b) for at most 8 rows, W streamed once (CPU, fp32/bf16)");
   m.def("write_kv", &write_kv, "write this step's K/V into their cache slots (CPU, fp32/bf16)");
   m.def("rope_inplace", &rope_inplace, "neox rotary embedding in place (CPU, fp32/bf16)");
+  m.def("quantize_rows", &quantize_rows, "int8 per-row dynamic quantization (CPU, fp32/bf16 in)");
+  m.def("dequant_rows", &dequant_rows, "int32 GEMM result -> scaled fp32/bf16 (+ bias)");
+  m.def("linear_small_int8", &linear_small_int8, "y = x W8^T * sw (+ b) for at most 8 rows (CPU)");
 }
