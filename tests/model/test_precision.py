@@ -239,3 +239,26 @@ def test_llm_and_cli_take_quantization(tiny_dir, capsys):
         LLM(str(tiny_dir), quantization="fp4")
     assert main(["generate", "--model", str(tiny_dir), "--prompt", "x = 1", "--max-tokens", "4",
                  "--quantization", "int8", "--kv-cache-bytes", "8MiB"]) == 0
+
+
+def test_int8_without_native_int8_dot_products_is_still_exact_w8a8(monkeypatch):
+    """Without VNNI/AMX oneDNN's int8 GEMM saturates; the int8 method must then compute the same W8A8 product
+    another way, equal to the native path's result."""
+    import tokenmill.hardware as hw
+    from tokenmill.model.linear import Int8LinearMethod, Linear
+
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(64, 96, generator=g) * 0.1, torch.randn(40, 96, generator=g) * 4
+    outs = []
+    for cpuinfo in (ZEN5, ZEN3):
+        monkeypatch.setattr(hw, "capabilities", lambda cpuinfo=cpuinfo: detect(cpuinfo, {}))
+        lin = Linear(96, 64, method=Int8LinearMethod())
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        lin.method.process_weights_after_loading(lin)
+        assert lin.int8_gemm == (cpuinfo == ZEN5)
+        outs.append(lin(x))
+    if detect().native_int8:  # the int8 GEMM path gives the right product only where it is native
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    ref = F.linear(x, w)
+    assert ((outs[1] - ref).norm() / ref.norm()).item() < 2e-2

@@ -123,6 +123,12 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         layer.w_scale = scale.contiguous()
         layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)  # freed
         layer.packed = None
+        from tokenmill.hardware import capabilities
+
+        # oneDNN's int8 GEMM without VNNI/AMX (AVX2's vpmaddubsw) saturates 16-bit partial sums: wrong results,
+        # not just slow ones. There the int8 product runs dequantized in fp32 instead (exact, and slower: the
+        # dequant tax on hardware without int8 dot products).
+        layer.int8_gemm = layer.w8.device.type == "cpu" and capabilities().native_int8
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         from tokenmill.model.cpu_kernels import kernels_for
@@ -134,17 +140,17 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         if kernels is not None and 0 < m <= self.SMALL_ROWS:
             kernels.linear_small_int8(out, x2, layer.w8, layer.w_scale, layer.bias)
-        elif kernels is not None:
+        elif kernels is not None and layer.int8_gemm:
             q = torch.empty(m, k_in, dtype=torch.int8)
             sx = torch.empty(m, dtype=torch.float32)
             kernels.quantize_rows(q, sx, x2)
             kernels.dequant_rows(out, torch._int_mm(q, layer.w8_t), sx, layer.w_scale, layer.bias)
-        else:  # reference path (CUDA, fp16, no compiler): the same math in PyTorch ops
+        else:  # no int8 dot products, CUDA, fp16 or no compiler: the same W8A8 math, products in fp32
             xf = x2.float()
-            sx = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
-            q = torch.round(xf / sx).clamp_(-127, 127).to(torch.int8)
-            acc = torch._int_mm(q, layer.w8_t).float() if x.device.type == "cpu" else q.float() @ layer.w8_t.float()
-            y = acc * sx * layer.w_scale
+            sx = (xf.abs().amax(dim=1, keepdim=True) / 127.0)
+            sx = torch.where(sx > 0, sx, torch.ones_like(sx))
+            q = torch.round(xf / sx).clamp_(-127, 127)
+            y = (q @ layer.w8_t.float()) * sx * layer.w_scale  # exact: |products| and sums stay far below 2^24
             out = (y + layer.bias.float() if layer.bias is not None else y).to(x.dtype)
         return out.view(*lead, n)
 
