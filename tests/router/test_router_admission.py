@@ -29,12 +29,14 @@ def test_predicted_ttft_is_queued_plus_own_uncached_work_over_rate():
     assert predicted_ttft_s(w, r) == pytest.approx((500 + 200) / 1000.0)
 
 
-def test_an_idle_worker_is_always_ok_and_a_cold_one_takes_one_probe_at_a_time():
+def test_an_idle_worker_is_always_ok_and_a_cold_one_is_preferred_less_but_never_waited_for():
     huge = decide([busy("a", 0)], prompt_tokens=50000)  # 50 s predicted, but nothing is queued there
     assert huge.action == "admit"
-    cold = busy("a", 100, rate_samples=0)  # predicted 1.1 s... with a tiny prompt it would fit, but:
-    assert decide([cold], prompt_tokens=10).action == "hold"  # the prior rate is not trusted yet
-    assert decide([busy("a", 100, rate_samples=2)], prompt_tokens=10).action == "admit"
+    cold = busy("a", 100, rate_samples=0)  # its rate is still the prior's...
+    assert decide([cold], prompt_tokens=10).action == "admit"  # ...but it is predicted to meet the SLO: no hold
+    warm = busy("b", 300, rate_samples=2)
+    a = decide([cold, warm], chosen="a", prompt_tokens=10)  # slow start: a warm worker that meets is preferred
+    assert (a.action, a.worker) == ("admit", "b")
 
 
 def test_admits_the_routing_choice_when_it_meets_the_slo():
@@ -48,11 +50,35 @@ def test_reroutes_to_a_feasible_worker_when_the_choice_misses_the_slo():
     assert (a.action, a.worker) == ("admit", "b")
 
 
-def test_holds_while_admitting_would_break_a_pending_requests_slo():
-    w = busy("a", 200, cached_prefix_tokens=500, pending_slack_s=0.5)  # 0.7 s predicted: fits its own 1 s
+def test_pending_requests_slack_is_compared_with_the_new_prompts_own_prefill_not_its_whole_ttft():
+    """The root of the holds on shared-prompt workloads: a worker serves prompts oldest first, so a new
+    prompt delays a pending one by at most its own prefill. The old rule held any request whose *whole*
+    predicted TTFT (the pending ones' work included) exceeded the least slack of those pending: here 0.7 s
+    against 0.6 s, although the request meets its own SLO and costs the pending one at most 0.5 s."""
+    w = busy("a", 200, cached_prefix_tokens=500, pending_slack_s=0.6)  # 0.7 s predicted, own prefill 0.5 s
     a = decide([w])
-    assert a.action == "hold" and a.reason == "slo"
-    assert decide([busy("a", 200, cached_prefix_tokens=500, pending_slack_s=0.9)]).action == "admit"
+    assert (a.action, a.worker) == ("admit", "a")
+    assert a.predicted_ttft_s == pytest.approx(0.7)
+
+
+def test_never_holds_while_a_worker_meets_the_slo_but_prefers_one_that_endangers_nobody():
+    tight = busy("a", 200, cached_prefix_tokens=500, pending_slack_s=0.3)  # own prefill 0.5 s > 0.3 s slack
+    roomy = busy("b", 400, cached_prefix_tokens=500, pending_slack_s=0.9)  # 0.9 s predicted, still meets
+    a = decide([tight, roomy], chosen="a")
+    assert (a.action, a.worker) == ("admit", "b")
+    a = decide([tight, busy("c", 600, cached_prefix_tokens=500)], chosen="a")  # c misses: 1.1 s
+    assert (a.action, a.worker) == ("admit", "a")  # a meets the SLO: admitted rather than held
+
+
+def test_refuses_only_beyond_the_predictors_error_margin_and_holds_within_it():
+    near = busy("a", 1200, ttft_error_margin=0.5)  # 1.3 s predicted for a 1 s budget: within 50% error
+    a = decide([near], prompt_tokens=100)
+    assert (a.action, a.reason) == ("hold", "slo")
+    assert a.retry_after_s == pytest.approx(0.3)
+    sure = busy("a", 1200, ttft_error_margin=0.2)  # a predictor known to within 20%: 1.3 s misses for sure
+    assert (decide([sure], prompt_tokens=100).action, decide([sure], prompt_tokens=100).reason) == ("reject", "slo")
+    # held: the budget shrinks, and so does the allowance (0.75 s left x 1.5 < 1.3 s): refused then
+    assert decide([near], prompt_tokens=100, now=10.25, arrival=10.0, held=True).reason == "deadline"
 
 
 def test_refuses_at_once_when_no_worker_can_make_the_slo():
@@ -62,12 +88,12 @@ def test_refuses_at_once_when_no_worker_can_make_the_slo():
 
 
 def test_full_queue_refuses_and_a_held_request_expires_at_its_deadline():
-    blocked = busy("a", 200, cached_prefix_tokens=500, pending_slack_s=0.1)
-    assert decide([blocked], room=0).reason == "queue-full"
-    assert decide([blocked], now=10.2, arrival=10.0, held=True).action == "hold"
-    late = decide([busy("a", 0, outstanding=1, pending_slack_s=0.0)], now=10.6, arrival=10.0, held=True)
+    blocked = busy("a", 1050)  # 1.15 s predicted for a 1 s budget: within the default 50% margin
+    assert decide([blocked], room=0, prompt_tokens=100).reason == "queue-full"
+    assert decide([blocked], now=10.1, arrival=10.0, held=True, prompt_tokens=100).action == "hold"
+    late = decide([blocked], now=10.6, arrival=10.0, held=True, prompt_tokens=100)  # past arrival + max wait
     assert (late.action, late.reason) == ("reject", "deadline")
-    in_time = decide([busy("a", 0, cached_prefix_tokens=900)], now=10.4, arrival=10.0, held=True)
+    in_time = decide([busy("a", 0, outstanding=1, cached_prefix_tokens=900)], now=10.4, arrival=10.0, held=True)
     assert in_time.action == "admit"  # 0.1 s predicted + 0.4 s waited <= 1 s
 
 

@@ -289,3 +289,45 @@ def test_worker_reported_queued_prefill_counts_only_what_this_router_did_not_sen
     assert w.external_prefill_tokens == 0
     w.report_queued_prefill(None)  # a worker without the gauge
     assert w.external_prefill_tokens == 0
+
+
+def test_queued_prefill_gauge_does_not_count_the_cached_part_of_our_own_waiting_prompts_as_external():
+    """The worker's gauge counts a waiting request's whole prompt (its prefix hit is looked up only at
+    admission: engine/scheduler.py waiting_uncached_prompt_tokens). Shared system prompts: our 3 waiting
+    requests of 1024 cached + 64 new tokens each are 3 x 1088 there, and nothing of anyone else's."""
+    from tokenmill.router.snapshot import RouteRequest, predicted_ttft_s
+
+    w = WorkerState(WorkerSpec("http://w"), RatePriors(ttft_base_s=0.0, prefill_rate_tps=10000.0))
+    for i in range(3):
+        w.start(str(i), 64, 0.0, now=0.0, prompt_tokens=1088)
+    w.report_queued_prefill(3 * 1088)
+    assert w.external_prefill_tokens == 0  # was 3 x 1024: our own cached tokens counted as others' queue
+    r = RouteRequest("r", 0.0, 0.0, 1088)
+    assert predicted_ttft_s(w.view(cached_prefix_tokens=1024), r) == pytest.approx((3 * 64 + 64) / 10000)
+    w.report_queued_prefill(3 * 1088 + 500)  # someone else's 500-token prompt waits there too
+    assert w.external_prefill_tokens == 500
+
+
+def test_prediction_error_feeds_the_margin_and_the_calibration_and_is_exported():
+    from tokenmill.router.metrics import RouterMetrics
+    from tokenmill.router.worker_state import MARGIN_PRIOR, MIN_MARGIN, WorkerPool
+
+    pool = WorkerPool(RatePriors())
+    w = pool.add(WorkerSpec("http://w"))
+    w.rates.prefill.samples = 5  # a learned rate: its predictions calibrate
+    assert w.view().ttft_error_margin == MARGIN_PRIOR
+    for i in range(40):  # predicted 0.4 s, observed 0.2 s: pessimistic by 2x
+        f = w.start(str(i), 100, 0.4 * w.ttft_calibration, now=float(i))
+        w.first_token(f, now=i + 0.2)
+        w.finish(f, now=i + 0.3, output_tokens=1)
+    assert w.ttft_calibration == pytest.approx(0.5, abs=0.01)  # the model is halved
+    for i in range(40, 80):  # now calibrated: predictions match, the margin shrinks to its floor
+        f = w.start(str(i), 100, 0.4 * w.ttft_calibration, now=float(i))
+        w.first_token(f, now=i + 0.2)
+        w.finish(f, now=i + 0.3, output_tokens=1)
+    assert w.view().ttft_error_margin == pytest.approx(MIN_MARGIN, abs=0.02)
+    m = RouterMetrics(pool)
+    m.ttft_relative_error.labels(w.url).observe(-0.5)
+    text = m.render().decode()
+    for name in ("ttft_prediction_relative_error_bucket", "worker_ttft_calibration", "worker_ttft_error_margin"):
+        assert "tokenmill_router_" + name in text

@@ -45,6 +45,7 @@ class WorkerView:
     observed_ttft_s: float | None = None  # EWMA of observed TTFT: a lagging signal
     draining: bool = False  # removed at runtime: finishes what it has, gets nothing new
     external_prefill_tokens: int = 0  # prefill queued there by others: worker-reported minus this router's
+    ttft_error_margin: float = 0.5  # learned: typical relative error of predicted TTFT here (admission's margin)
 
     @property
     def routable(self) -> bool:
@@ -89,6 +90,11 @@ def queued_prefill_tokens(w: WorkerView) -> int:
 
 def predicted_ttft_s(w: WorkerView, r: RouteRequest) -> float:
     return w.ttft_calibration * prefill_time_s(w, w.prefill_requests + 1, queued_prefill_tokens(w) + uncached_tokens(w, r))
+
+
+def own_prefill_s(w: WorkerView, r: RouteRequest) -> float:
+    """This request's own prefill on w (calibrated): the most it can delay a prompt queued before it there."""
+    return w.ttft_calibration * prefill_time_s(w, 1, uncached_tokens(w, r))
 
 
 def predicted_tpot_s(w: WorkerView) -> float:

@@ -30,6 +30,10 @@ WORKER_KINDS = ("auto", "tokenmill", "vllm", "sglang", "openai")
 MIN_CALIBRATION, MAX_CALIBRATION = 0.5, 4.0
 CALIBRATE_ABOVE_S = 0.05  # shorter predictions are mostly noise
 CALIBRATE_AFTER_SAMPLES = 2  # predictions made on the prior rate say nothing about the model
+CALIBRATION_ALPHA = 0.2  # per calibrating first token: a new bias is half-corrected after ~3 of them
+MARGIN_ALPHA = 0.1  # per first token: the error margin follows the last ~10 predictions
+MARGIN_PRIOR, MIN_MARGIN, MAX_MARGIN = 0.5, 0.1, 1.0
+MARGIN_FLOOR_S = 0.1  # errors are relative to at least this: 20 vs 40 ms is not a 100% error for an SLO
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class InFlight:
     decode_left: int = 0  # output tokens still expected (max_tokens - seen)
     hit_chunks: int = 0  # prefix chunks the index expected cached there (for the correction)
     hit_tokens: int = 0
+    prompt_tokens: int = 0  # the whole prompt, cached part included (what a waiting request weighs in the gauge)
 
 
 class WorkerState:
@@ -84,9 +89,11 @@ class WorkerState:
         self.failures = 0  # consecutive failed health checks
         self.rates = WorkerRates(priors)
         self.observed_ttft = Ewma(0.2)
-        self.calibration = Ewma(0.2)  # observed / modelled TTFT
+        self.calibration = Ewma(CALIBRATION_ALPHA)  # observed / modelled TTFT
+        self.ttft_error_margin = BoundedEwma(MARGIN_ALPHA, MARGIN_PRIOR, MIN_MARGIN, MAX_MARGIN)
         self.outstanding = 0
         self.prefill_tokens = 0
+        self.prefill_prompt_tokens = 0  # whole prompts (cached part included) of the pending attempts
         self._pending: dict[int, InFlight] = {}  # attempts whose prefill is pending, by id()
         self.decode_streams = 0
         self.decode_tokens = 0
@@ -105,15 +112,17 @@ class WorkerState:
         return self.kind == "tokenmill"  # vLLM rejects `priority` unless priority scheduling is on
 
     def start(self, request_id: str, uncached_tokens: int, predicted_ttft_s: float, now: float,
-              ttft_deadline_s: float = float("inf"), max_tokens: int = 16) -> InFlight:
+              ttft_deadline_s: float = float("inf"), max_tokens: int = 16, prompt_tokens: int | None = None) -> InFlight:
         self.rates.prefill.advance(now, busy=bool(self._pending))
+        prompt_tokens = max(uncached_tokens, prompt_tokens if prompt_tokens is not None else uncached_tokens)
         self.outstanding += 1
         self.prefill_tokens += uncached_tokens
+        self.prefill_prompt_tokens += prompt_tokens
         self.decode_tokens += max_tokens
         f = InFlight(request_id, self.url, uncached_tokens, self.prefill_tokens, predicted_ttft_s, now,
                      ttft_deadline_s=ttft_deadline_s, calibration_at_send=self.ttft_calibration,
                      rate_samples_at_send=self.rates.prefill.samples,
-                     decode_left=max_tokens)
+                     decode_left=max_tokens, prompt_tokens=prompt_tokens)
         self._pending[id(f)] = f
         return f
 
@@ -123,6 +132,7 @@ class WorkerState:
             f.prefill_done = True
             busy = bool(self._pending)
             self.prefill_tokens -= f.uncached_tokens
+            self.prefill_prompt_tokens -= f.prompt_tokens
             self._pending.pop(id(f), None)
             self.rates.prefill.done(f.uncached_tokens if served else 0, now, busy=busy,
                                     requests=1 if served else 0, pending_requests=len(self._pending),
@@ -138,6 +148,8 @@ class WorkerState:
         f.decode_streams_at_first = self.decode_streams
         ttft_s = now - f.sent_s
         self.observed_ttft.update(ttft_s)
+        self.ttft_error_margin.update(abs(ttft_s - f.predicted_ttft_s) / max(ttft_s, f.predicted_ttft_s,
+                                                                              MARGIN_FLOOR_S))
         modelled_s = f.predicted_ttft_s / f.calibration_at_send
         if modelled_s >= CALIBRATE_ABOVE_S and f.rate_samples_at_send >= CALIBRATE_AFTER_SAMPLES:
             self.calibration.update(min(MAX_CALIBRATION, max(MIN_CALIBRATION, ttft_s / modelled_s)))
@@ -170,11 +182,19 @@ class WorkerState:
         return tpot_s
 
     def report_queued_prefill(self, reported_tokens: int | None) -> None:
-        """The worker's own gauge of uncached prompt tokens waiting there (tokenmill workers). What exceeds
-        the prefill this router has pending there came from elsewhere (other routers, direct clients): it is
-        counted as queued work until the next scrape. The router's pending count includes prompts already
-        running, which the gauge does not, so the difference never counts this router's own work twice."""
-        self.external_prefill_tokens = max(0, reported_tokens - max(0, self.prefill_tokens)) if reported_tokens else 0
+        """The worker's own gauge of prompt tokens queued there for prefill (tokenmill workers). What exceeds
+        the prompts this router has pending there came from elsewhere (other routers, direct clients): it is
+        counted as queued work until the next scrape.
+
+        The gauge counts a *waiting* request's whole prompt: its prefix-cache hit is only looked up when the
+        scheduler admits it. So the router subtracts its pending requests' whole prompts, not their uncached
+        tokens: subtracting the uncached estimate counted the cached part of each of its own waiting
+        requests as someone else's work (on shared system prompts ~1000 tokens per request, held for a whole
+        scrape interval). The router's whole-prompt count is ≥ what the gauge can hold of its requests
+        (running ones count only their unprefilled rest there), so its own work is never counted twice; the
+        price is that others' work can be under-counted while the router has prompts pending there."""
+        mine = max(0, self.prefill_prompt_tokens)
+        self.external_prefill_tokens = max(0, reported_tokens - mine) if reported_tokens else 0
 
     def view(self, cached_prefix_tokens: int = 0, now: float | None = None) -> WorkerView:
         r = self.rates
@@ -188,8 +208,21 @@ class WorkerState:
             ttft_calibration=self.ttft_calibration, tpot_base_s=r.tpot_base_s, tpot_per_stream_s=r.tpot_per_stream_s, rate_samples=r.prefill.samples,
             reported_running=self.reported_running, reported_waiting=self.reported_waiting, kv_usage=self.kv_usage,
             observed_ttft_s=self.observed_ttft.value, draining=self.draining, pending_slack_s=slack,
-            external_prefill_tokens=self.external_prefill_tokens,
+            external_prefill_tokens=self.external_prefill_tokens, ttft_error_margin=self.ttft_error_margin.value,
         )
+
+
+class BoundedEwma:
+    """EWMA with a prior value and a clip to [lo, hi]."""
+
+    def __init__(self, alpha: float, prior: float, lo: float, hi: float):
+        self.alpha, self.lo, self.hi = alpha, lo, hi
+        self.value = prior
+        self.samples = 0
+
+    def update(self, x: float) -> None:
+        self.value = min(self.hi, max(self.lo, self.value + self.alpha * (x - self.value)))
+        self.samples += 1
 
 
 class WorkerPool:
