@@ -6,7 +6,8 @@ Everything here is frozen and clock-free: the router builds a `RouteSnapshot` fr
     uncached_w     = max(0, prompt_tokens - cached_prefix_tokens_w)
     predicted TTFT = ttft_calibration_w * (ttft_base_s_w * (prefill_requests_w + 1)
                                            + (prefill_tokens_w + external_w + uncached_w) / prefill_rate_tps_w)
-    external_w     = max(0, worker-reported queued uncached prompt tokens - prefill_tokens_w)  (last scrape)
+    external_w     = max(0, worker-reported queued prompt tokens - whole prompts this router has pending there)
+                     (last scrape; the gauge counts a waiting request's whole prompt, cached part included)
 
 ttft_base_s_w (per-request overhead) and prefill_rate_tps_w (per uncached token) are the worker's learned
 prefill fit (rates.PrefillFit): the requests whose prefill is pending there, and this one, each cost the
@@ -44,7 +45,7 @@ class WorkerView:
     pending_slack_s: float | None = None  # least TTFT budget left among requests whose prefill is pending here
     observed_ttft_s: float | None = None  # EWMA of observed TTFT: a lagging signal
     draining: bool = False  # removed at runtime: finishes what it has, gets nothing new
-    external_prefill_tokens: int = 0  # prefill queued there by others: worker-reported minus this router's
+    external_prefill_tokens: int = 0  # prefill queued there by others: worker-reported minus this router's prompts
     ttft_error_margin: float = 0.5  # learned: typical relative error of predicted TTFT here (admission's margin)
 
     @property
