@@ -132,3 +132,36 @@ def test_config_validation_names_the_field():
         AdmissionConfig(mode="eventually")
     with pytest.raises(ValueError, match="idle_headroom"):
         AdmissionConfig(idle_headroom=0)
+
+
+def test_router_admits_a_request_that_meets_its_slo_even_while_others_of_its_class_are_held():
+    """Held requests wait because no worker is predicted to serve them in time; a later request that a
+    worker can serve in time (a shorter prompt here) is not queued behind them (it was, FIFO)."""
+    import asyncio
+
+    from tokenmill.router.config import RouterConfig
+    from tokenmill.router.prefix_index import PrefixIndexConfig
+    from tokenmill.router.prompt import prompt_key
+    from tokenmill.router.rates import RatePriors
+    from tokenmill.router.router import Router
+    from tokenmill.router.worker_state import WorkerSpec
+
+    async def run():
+        t = [100.0]
+        cfg = RouterConfig(workers=(WorkerSpec("http://a"),), rate_priors=RatePriors(ttft_base_s=0.0, prefill_rate_tps=1000.0))
+        router = Router(cfg, clock=lambda: t[0])
+        w = router.pool.get("http://a")
+        w.healthy, w.rates.prefill.samples = True, 5
+        w.start("earlier", 900, 0.9, now=t[0])  # 0.9 s of prefill queued there
+        key = lambda n: prompt_key({"prompt": list(range(n))}, False, PrefixIndexConfig())  # noqa: E731
+        big = router.new_request(key(200), INTERACTIVE, 4)  # 1.1 s predicted: within the margin, held
+        big_task = asyncio.ensure_future(router.acquire(big))
+        await asyncio.sleep(0)
+        assert router.queues.depths()["interactive"] == 1
+        small = await asyncio.wait_for(router.acquire(router.new_request(key(50), INTERACTIVE, 4)), 1.0)
+        assert small.worker == "http://a"  # 0.95 s predicted: admitted at once
+        assert router.queues.depths()["interactive"] == 1 and not big_task.done()
+        big_task.cancel()
+        await router.close()
+
+    asyncio.run(run())
