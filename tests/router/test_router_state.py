@@ -308,26 +308,28 @@ def test_queued_prefill_gauge_does_not_count_the_cached_part_of_our_own_waiting_
     assert w.external_prefill_tokens == 500
 
 
-def test_prediction_error_feeds_the_margin_and_the_calibration_and_is_exported():
+def test_prediction_error_feeds_the_band_and_the_calibration_and_is_exported():
     from tokenmill.router.metrics import RouterMetrics
-    from tokenmill.router.worker_state import MARGIN_PRIOR, MIN_MARGIN, WorkerPool
+    from tokenmill.router.worker_state import ERROR_HI, ERROR_LO, WorkerPool
 
     pool = WorkerPool(RatePriors())
     w = pool.add(WorkerSpec("http://w"))
-    w.rates.prefill.samples = 5  # a learned rate: its predictions calibrate
-    assert w.view().ttft_error_margin == MARGIN_PRIOR
-    for i in range(40):  # predicted 0.4 s, observed 0.2 s: pessimistic by 2x
+    assert (w.view().ttft_error_hi, w.view().ttft_error_lo) == (ERROR_HI[1], ERROR_LO[1])
+    rng = random.Random(0)
+    for i in range(60):  # predicted 0.4 s, observed 0.2 s: pessimistic by 2x; it calibrates on the prior rate too
         f = w.start(str(i), 100, 0.4 * w.ttft_calibration, now=float(i))
         w.first_token(f, now=i + 0.2)
         w.finish(f, now=i + 0.3, output_tokens=1)
     assert w.ttft_calibration == pytest.approx(0.5, abs=0.01)  # the model is halved
-    for i in range(40, 80):  # now calibrated: predictions match, the margin shrinks to its floor
+    for i in range(60, 600):  # calibrated, with ±30% noise: the band follows it
         f = w.start(str(i), 100, 0.4 * w.ttft_calibration, now=float(i))
-        w.first_token(f, now=i + 0.2)
-        w.finish(f, now=i + 0.3, output_tokens=1)
-    assert w.view().ttft_error_margin == pytest.approx(MIN_MARGIN, abs=0.02)
+        w.first_token(f, now=i + 0.2 * rng.uniform(0.7, 1.3))
+        w.finish(f, now=i + 0.5, output_tokens=1)
+    v = w.view()
+    assert 1.15 < v.ttft_error_hi < 1.45 and 0.6 < v.ttft_error_lo < 0.9  # ~p90 and ~p10 of 0.7..1.3 (1.24, 0.76)
     m = RouterMetrics(pool)
     m.ttft_relative_error.labels(w.url).observe(-0.5)
     text = m.render().decode()
-    for name in ("ttft_prediction_relative_error_bucket", "worker_ttft_calibration", "worker_ttft_error_margin"):
+    for name in ("ttft_prediction_relative_error_bucket", "worker_ttft_calibration", "worker_ttft_error_ratio_p90",
+                 "worker_ttft_error_ratio_p10"):
         assert "tokenmill_router_" + name in text

@@ -3,8 +3,8 @@
 `leading` (default) predicts from work the router has sent but not yet seen served:
 
     budget_s  = ttft_slo_s - (now - arrival_s)            what is left of the class's TTFT SLO
-    meets(w)  = predicted_ttft_s(w) <= budget_s           predicted to meet its SLO there now
-                and predicted_tpot_s(w) <= tpot_slo_s
+    meets(w)  = predicted_ttft_s(w) x hi_w <= budget_s    predicted to meet its SLO there now, even if the
+                and predicted_tpot_s(w) <= tpot_slo_s     prediction falls short as much as it usually does
                 and (sheddable only) predicted_ttft_s(w) <= idle_headroom x tightest non-sheddable TTFT SLO
     polite(w) = own_prefill_s(w) <= pending_slack_s(w)    a preference, never a reason to wait:
                 and slow start (below)                    admitting it here endangers nobody already sent
@@ -13,10 +13,13 @@ A request is never held while some worker meets its SLO: the policy's choice is 
 and is polite, else the polite worker that meets with the least predicted TTFT, else (none polite) the
 policy's choice if it meets, else the meeting worker with the least predicted TTFT.
 
-When no worker meets it, it is refused at once (429, Retry-After = the predicted excess) only if even the
-best candidate's prediction, discounted by that worker's current error margin, misses its TTFT budget:
+The predictor's current error margin on w is the band [lo_w, hi_w] of observed / predicted TTFT (online
+~p10 and ~p90 over its recent first tokens, worker_state.py): a request is admitted where even the
+prediction times hi_w fits its budget, and refused at once (429, Retry-After = the predicted excess) only
+when on every worker even the prediction times lo_w misses it — the best candidate's prediction exceeds
+the budget by more than the predictor's error margin:
 
-    refuse    when for every w: predicted_ttft_s(w) > budget_s x (1 + ttft_error_margin(w))
+    refuse    when for every w: predicted_ttft_s(w) x lo_w > budget_s
 
 Otherwise (its TTFT is within the predictor's error of the budget, or only the TPOT or idle-headroom test
 fails) it is held in its class queue (if there is room) and re-decided as work completes, until its hold
@@ -119,7 +122,7 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
         if idle(w):
             return True  # an idle worker: no queue to blame, and no traffic would freeze its estimates
         tpot_ok = not cfg.check_tpot or predicted_tpot_s(w) <= cls.tpot_slo_s
-        return tpot_ok and pred[w.url] <= min(budget, idle_budget)
+        return tpot_ok and pred[w.url] * w.ttft_error_hi <= min(budget, idle_budget)
 
     def polite(w: WorkerView) -> bool:
         """Admitting it here endangers no request already sent there, and the worker's rate is learned."""
@@ -140,7 +143,7 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
         return Admission("admit", best.url, pred[best.url])
 
     gap_s = max(0.0, min(pred.values()) - min(budget, idle_budget))
-    if all(pred[u] > budget * (1.0 + w.ttft_error_margin) for u, w in workers.items()):
+    if all(pred[u] * w.ttft_error_lo > budget for u, w in workers.items()):
         return Admission("reject", reason="deadline" if held else "slo", retry_after_s=gap_s)
     deadline = cls.hold_deadline_s(r.arrival_s, min(w.ttft_base_s for w in workers.values()))
     if held and r.now >= deadline:

@@ -82,8 +82,10 @@ class _PoolCollector:
                                                 lambda w: w.rates.ttft_base_s),
             "worker_ttft_calibration": ("Learned correction of the modelled TTFT: EWMA of observed / modelled",
                                         lambda w: w.ttft_calibration),
-            "worker_ttft_error_margin": ("Admission's error margin: EWMA of |observed - predicted| / max(observed, "
-                                         "predicted, 0.1 s)", lambda w: w.ttft_error_margin.value),
+            "worker_ttft_error_ratio_p90": ("Admission's error margin, upper end: online ~p90 of observed / predicted "
+                                            "TTFT (each floored at 0.1 s)", lambda w: w.ttft_error_hi.value),
+            "worker_ttft_error_ratio_p10": ("Admission's error margin, lower end: online ~p10 of observed / predicted "
+                                            "TTFT", lambda w: w.ttft_error_lo.value),
             "worker_decode_rate_tokens_per_second": ("Learned decode rate", lambda w: w.rates.decode_rate_tps),
             "worker_tpot_per_stream_seconds": ("Learned TPOT added per decode stream",
                                                lambda w: w.rates.tpot_per_stream_s),

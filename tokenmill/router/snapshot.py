@@ -46,7 +46,8 @@ class WorkerView:
     observed_ttft_s: float | None = None  # EWMA of observed TTFT: a lagging signal
     draining: bool = False  # removed at runtime: finishes what it has, gets nothing new
     external_prefill_tokens: int = 0  # prefill queued there by others: worker-reported minus this router's prompts
-    ttft_error_margin: float = 0.5  # learned: typical relative error of predicted TTFT here (admission's margin)
+    ttft_error_hi: float = 1.5  # learned: ~p90 of observed / predicted TTFT here (how short predictions fall)
+    ttft_error_lo: float = 0.5  # learned: ~p10 (how far predictions overshoot)
 
     @property
     def routable(self) -> bool:

@@ -7,8 +7,8 @@ Leading indicators are counted here, at the moment the router sends work, not wh
     prefill_requests  requests sent whose first token has not come back
     decode_streams  requests past their first token and not finished
 
-The TTFT calibration is an EWMA of observed / modelled TTFT (clipped to [0.5, 4]; predictions under 50 ms,
-or made before the prefill rate had 2 samples, are skipped): what the queue model misses (step granularity, CPU contention, traffic from other clients).
+The TTFT calibration is an EWMA of observed / modelled TTFT (clipped to [0.5, 4]; predictions under 50 ms
+are skipped): what the queue model misses (step granularity, CPU contention, traffic from other clients).
 
     decode_tokens   output tokens still to come for them (sum of max_tokens - tokens seen)
 
@@ -29,11 +29,13 @@ from tokenmill.router.snapshot import WorkerView
 WORKER_KINDS = ("auto", "tokenmill", "vllm", "sglang", "openai")
 MIN_CALIBRATION, MAX_CALIBRATION = 0.5, 4.0
 CALIBRATE_ABOVE_S = 0.05  # shorter predictions are mostly noise
-CALIBRATE_AFTER_SAMPLES = 2  # predictions made on the prior rate say nothing about the model
+CALIBRATE_AFTER_SAMPLES = 0  # predictions made on the prior rate calibrate too: under sustained load the
+# prefill fit may never leave its prior (no busy period ends), and then the calibration is the only correction
 CALIBRATION_ALPHA = 0.2  # per calibrating first token: a new bias is half-corrected after ~3 of them
-MARGIN_ALPHA = 0.1  # per first token: the error margin follows the last ~10 predictions
-MARGIN_PRIOR, MIN_MARGIN, MAX_MARGIN = 0.5, 0.1, 1.0
-MARGIN_FLOOR_S = 0.1  # errors are relative to at least this: 20 vs 40 ms is not a 100% error for an SLO
+ERROR_STEP = 0.05  # quantile trackers of observed / predicted TTFT: step per first token (ratio units)
+ERROR_HI = (0.9, 1.5, 1.0, 4.0)  # (quantile, prior, min, max): how short a prediction usually falls
+ERROR_LO = (0.1, 0.5, 0.25, 1.0)  # how long a prediction usually overshoots
+ERROR_FLOOR_S = 0.1  # ratios of max(observed, 0.1 s) / max(predicted, 0.1 s): 20 vs 40 ms is no error for an SLO
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ class WorkerState:
         self.rates = WorkerRates(priors)
         self.observed_ttft = Ewma(0.2)
         self.calibration = Ewma(CALIBRATION_ALPHA)  # observed / modelled TTFT
-        self.ttft_error_margin = BoundedEwma(MARGIN_ALPHA, MARGIN_PRIOR, MIN_MARGIN, MAX_MARGIN)
+        self.ttft_error_hi = QuantileTracker(*ERROR_HI, step=ERROR_STEP)  # ~p90 of observed / predicted TTFT
+        self.ttft_error_lo = QuantileTracker(*ERROR_LO, step=ERROR_STEP)  # ~p10
         self.outstanding = 0
         self.prefill_tokens = 0
         self.prefill_prompt_tokens = 0  # whole prompts (cached part included) of the pending attempts
@@ -148,8 +151,9 @@ class WorkerState:
         f.decode_streams_at_first = self.decode_streams
         ttft_s = now - f.sent_s
         self.observed_ttft.update(ttft_s)
-        self.ttft_error_margin.update(abs(ttft_s - f.predicted_ttft_s) / max(ttft_s, f.predicted_ttft_s,
-                                                                              MARGIN_FLOOR_S))
+        ratio = max(ttft_s, ERROR_FLOOR_S) / max(f.predicted_ttft_s, ERROR_FLOOR_S)
+        self.ttft_error_hi.update(ratio)
+        self.ttft_error_lo.update(ratio)
         modelled_s = f.predicted_ttft_s / f.calibration_at_send
         if modelled_s >= CALIBRATE_ABOVE_S and f.rate_samples_at_send >= CALIBRATE_AFTER_SAMPLES:
             self.calibration.update(min(MAX_CALIBRATION, max(MIN_CALIBRATION, ttft_s / modelled_s)))
@@ -208,20 +212,23 @@ class WorkerState:
             ttft_calibration=self.ttft_calibration, tpot_base_s=r.tpot_base_s, tpot_per_stream_s=r.tpot_per_stream_s, rate_samples=r.prefill.samples,
             reported_running=self.reported_running, reported_waiting=self.reported_waiting, kv_usage=self.kv_usage,
             observed_ttft_s=self.observed_ttft.value, draining=self.draining, pending_slack_s=slack,
-            external_prefill_tokens=self.external_prefill_tokens, ttft_error_margin=self.ttft_error_margin.value,
+            external_prefill_tokens=self.external_prefill_tokens, ttft_error_hi=self.ttft_error_hi.value, ttft_error_lo=self.ttft_error_lo.value,
         )
 
 
-class BoundedEwma:
-    """EWMA with a prior value and a clip to [lo, hi]."""
+class QuantileTracker:
+    """Online quantile (stochastic approximation) with a prior and a clip: each sample above the estimate moves
+    it up by step·q, each one below down by step·(1 − q), so it settles where a share q of recent samples
+    lies below (memory ~1 / step samples)."""
 
-    def __init__(self, alpha: float, prior: float, lo: float, hi: float):
-        self.alpha, self.lo, self.hi = alpha, lo, hi
+    def __init__(self, q: float, prior: float, lo: float, hi: float, step: float):
+        self.q, self.lo, self.hi, self.step = q, lo, hi, step
         self.value = prior
         self.samples = 0
 
     def update(self, x: float) -> None:
-        self.value = min(self.hi, max(self.lo, self.value + self.alpha * (x - self.value)))
+        move = self.step * (self.q if x > self.value else self.q - 1.0)
+        self.value = min(self.hi, max(self.lo, self.value + move))
         self.samples += 1
 
 
