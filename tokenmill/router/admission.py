@@ -169,9 +169,10 @@ def _lagging(snap: RouteSnapshot, chosen: WorkerView, workers: dict[str, WorkerV
     if feasible:
         best = min(feasible, key=lambda w: (predicted_ttft_s(w, r), w.url))
         return Admission("admit", best.url, predicted_ttft_s(best, r))
+    gap_s = max(0.0, min(predicted_ttft_s(w, r) for w in workers.values()) - ttft_budget_s(snap, cls))
     deadline = cls.hold_deadline_s(r.arrival_s, min(w.ttft_base_s for w in workers.values()))
     if held and r.now >= deadline:
-        return Admission("reject", reason="deadline")
+        return Admission("reject", reason="deadline", retry_after_s=gap_s)
     if not held and queue_room <= 0:
-        return Admission("reject", reason="queue-full")
-    return Admission("hold", reason="lagging")
+        return Admission("reject", reason="queue-full", retry_after_s=gap_s)
+    return Admission("hold", reason="lagging", retry_after_s=gap_s)
