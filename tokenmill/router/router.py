@@ -167,16 +167,20 @@ class Router:
         finally:
             self.metrics.queue_wait.labels(ctx.cls.name).observe(self.clock() - held.held_s)
 
+    PUMP_SCAN = 8  # held requests re-decided per class per pump: each decision costs a snapshot
+
     def pump(self) -> None:
         """Admit, or refuse at their deadline, held requests: classes in priority order, oldest first within
-        one; a held request that still cannot be admitted does not block those behind it (a shorter or
-        cached prompt may meet its SLO now). Sheddable classes wait while any non-sheddable class has
-        requests held."""
+        one; a held request that still cannot be admitted does not block the next ones (a shorter or cached
+        prompt may meet its SLO now), but at most PUMP_SCAN of them are re-decided per class per call (pump
+        runs on every first token, finish and 20 ms tick; re-deciding a full queue each time cost the
+        router more CPU than the requests it served on the 2-core testbed). Sheddable classes wait while any
+        non-sheddable class has requests held."""
         self.queues.drop_done()
         for cls in self.queues.classes:
             q = self.queues[cls.name]
             still = []
-            while q:
+            while q and len(still) < self.PUMP_SCAN:
                 head = q.popleft()
                 if head.future.done():
                     continue
@@ -189,7 +193,7 @@ class Router:
                     head.future.set_result(self._dispatch(head.ctx, adm, snap, chunks))
                 else:
                     head.future.set_exception(self._refuse(head.ctx, adm.reason, adm.retry_after_s))
-            q.extend(still)
+            q.extendleft(reversed(still))
 
     def _dispatch(self, ctx: RequestCtx, adm: Admission, snap: RouteSnapshot, chunks: dict[str, int]) -> InFlight:
         w = self.pool.get(adm.worker)
