@@ -91,6 +91,21 @@ def test_admits_within_refuses_beyond_and_holds_inside_the_predictors_error_band
     assert decide([busy("a", 1200, **band)], prompt_tokens=100, now=10.25, arrival=10.0, held=True).reason == "deadline"
 
 
+def test_the_slo_margin_widens_the_upper_end_only_and_never_causes_a_refusal():
+    """Where admitted requests still miss their deadline the worker's margin k (>= 1) multiplies the band's
+    upper end: a request that fits at hi x 1 but not at hi x k is held, not admitted; the refusal test (the
+    lower end) is unchanged."""
+    band = dict(ttft_error_lo=0.7, ttft_error_hi=1.3)
+    assert decide([busy("a", 600, **band)], prompt_tokens=100).action == "admit"  # 0.7 s x 1.3 = 0.91 s fits
+    widened = decide([busy("a", 600, ttft_slo_margin=1.2, **band)], prompt_tokens=100)  # x 1.2 = 1.09 s
+    assert (widened.action, widened.reason) == ("hold", "slo")
+    other = busy("b", 500, **band)  # 0.6 s x 1.3 = 0.78 s: another worker still meets it at once
+    a = decide([busy("a", 600, ttft_slo_margin=1.2, **band), other], prompt_tokens=100, chosen="a")
+    assert (a.action, a.worker) == ("admit", "b")
+    # 1.3 s predicted, 0.91 s at the lower end: held with any margin, never refused because of it
+    assert decide([busy("a", 1200, ttft_slo_margin=3.0, **band)], prompt_tokens=100).action == "hold"
+
+
 def test_full_queue_refuses_and_a_held_request_expires_at_its_deadline():
     blocked = busy("a", 1050, ttft_error_lo=0.5)  # 1.15 s predicted for a 1 s budget: within the error band
     assert decide([blocked], room=0, prompt_tokens=100).reason == "queue-full"

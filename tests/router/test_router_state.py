@@ -333,3 +333,37 @@ def test_prediction_error_feeds_the_band_and_the_calibration_and_is_exported():
     for name in ("ttft_prediction_relative_error_bucket", "worker_ttft_calibration", "worker_ttft_error_ratio_p90",
                  "worker_ttft_error_ratio_p10"):
         assert "tokenmill_router_" + name in text
+
+
+def test_slo_margin_widens_on_missed_deadlines_and_returns_to_one_when_none_miss():
+    """k: each admitted request that misses its TTFT deadline widens it by ~exp(0.1 x 0.97), each one that
+    meets it narrows it by exp(-0.1 x 0.03); bounded to [1, 3]; requests without a deadline do not count."""
+    from tokenmill.router.worker_state import MissRateMargin, SLO_MISS_TARGET
+
+    w = WorkerState(WorkerSpec("http://w"), RatePriors())
+    assert w.view().ttft_slo_margin == 1.0
+
+    def miss(i):  # sent at i, deadline i + 1, first token at i + 1.5
+        f = w.start(str(i), 100, 0.5, now=float(i), ttft_deadline_s=i + 1.0)
+        w.first_token(f, now=i + 1.5)
+        w.finish(f, now=i + 1.6, output_tokens=1)
+
+    for i in range(5):
+        miss(i)
+    assert w.view().ttft_slo_margin == pytest.approx(math.exp(5 * 0.1 * (1 - SLO_MISS_TARGET)))  # 1.62
+    for i in range(5, 20):
+        miss(i)
+    assert w.view().ttft_slo_margin == 3.0  # exp(20 x 0.097) = 7, clipped
+    f = w.start("nodeadline", 100, 0.5, now=30.0)
+    w.first_token(f, now=40.0)  # no deadline (inf): no sample
+    assert w.slo_margin.samples == 20
+    for i in range(1000):  # all met: back to the floor
+        f = w.start(f"m{i}", 100, 0.5, now=100.0 + i, ttft_deadline_s=101.0 + i)
+        w.first_token(f, now=100.2 + i)
+        w.finish(f, now=100.3 + i, output_tokens=1)
+    assert w.view().ttft_slo_margin == 1.0
+    k = MissRateMargin(0.03, 1.0, 1.0, 3.0, step=0.1)  # ~3% misses: it settles, neither runs away nor sinks
+    rng = random.Random(1)
+    for _ in range(20000):
+        k.update(missed=rng.random() < 0.03)
+    assert 1.0 <= k.value < 1.6

@@ -3,8 +3,8 @@
 `leading` (default) predicts from work the router has sent but not yet seen served:
 
     budget_s  = ttft_slo_s - (now - arrival_s)            what is left of the class's TTFT SLO
-    meets(w)  = predicted_ttft_s(w) x hi_w <= budget_s    predicted to meet its SLO there now, even if the
-                and predicted_tpot_s(w) <= tpot_slo_s     prediction falls short as much as it usually does
+    meets(w)  = predicted_ttft_s(w) x hi_w x k_w <= budget_s   predicted to meet its SLO there now, even if
+                and predicted_tpot_s(w) <= tpot_slo_s     the prediction falls short as much as it usually does
                 and (sheddable only) predicted_ttft_s(w) <= idle_headroom x tightest non-sheddable TTFT SLO
     polite(w) = own_prefill_s(w) <= pending_slack_s(w)    a preference, never a reason to wait:
                 and slow start (below)                    admitting it here endangers nobody already sent
@@ -15,11 +15,15 @@ policy's choice if it meets, else the meeting worker with the least predicted TT
 
 The predictor's current error margin on w is the band [lo_w, hi_w] of observed / predicted TTFT (online
 ~p10 and ~p90 over its recent first tokens, worker_state.py): a request is admitted where even the
-prediction times hi_w fits its budget, and refused at once (429, Retry-After = the predicted excess) only
-when on every worker even the prediction times lo_w misses it — the best candidate's prediction exceeds
-the budget by more than the predictor's error margin:
+prediction times hi_w x k_w fits its budget, and refused at once (429, Retry-After = the predicted excess)
+only when on every worker even the prediction times lo_w misses it — the best candidate's prediction
+exceeds the budget by more than the predictor's error margin:
 
     refuse    when for every w: predicted_ttft_s(w) x lo_w > budget_s
+
+k_w >= 1 widens the band's upper end where admitted requests still miss their deadline: it is steered from
+outcomes, per first token, to ~3% of the requests admitted there missing their TTFT deadline
+(worker_state.MissRateMargin), and sits at 1 while none miss.
 
 Otherwise (its TTFT is within the predictor's error of the budget, or only the TPOT or idle-headroom test
 fails) it is held in its class queue (if there is room) and re-decided as work completes, until its hold
@@ -122,7 +126,7 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
         if idle(w):
             return True  # an idle worker: no queue to blame, and no traffic would freeze its estimates
         tpot_ok = not cfg.check_tpot or predicted_tpot_s(w) <= cls.tpot_slo_s
-        return tpot_ok and pred[w.url] * w.ttft_error_hi <= min(budget, idle_budget)
+        return tpot_ok and pred[w.url] * w.ttft_error_hi * w.ttft_slo_margin <= min(budget, idle_budget)
 
     def polite(w: WorkerView) -> bool:
         """Admitting it here endangers no request already sent there, and the worker's rate is learned."""

@@ -86,6 +86,9 @@ class _PoolCollector:
                                             "TTFT (each floored at 0.1 s)", lambda w: w.ttft_error_hi.value),
             "worker_ttft_error_ratio_p10": ("Admission's error margin, lower end: online ~p10 of observed / predicted "
                                             "TTFT", lambda w: w.ttft_error_lo.value),
+            "worker_ttft_slo_margin": ("Admission's multiplier on the p90 error ratio, steered to ~3% of admitted "
+                                       "requests missing their TTFT deadline (1: none miss)",
+                                       lambda w: w.slo_margin.value),
             "worker_decode_rate_tokens_per_second": ("Learned decode rate", lambda w: w.rates.decode_rate_tps),
             "worker_tpot_per_stream_seconds": ("Learned TPOT added per decode stream",
                                                lambda w: w.rates.tpot_per_stream_s),

@@ -48,6 +48,7 @@ class WorkerView:
     external_prefill_tokens: int = 0  # prefill queued there by others: worker-reported minus this router's prompts
     ttft_error_hi: float = 1.5  # learned: ~p90 of observed / predicted TTFT here (how short predictions fall)
     ttft_error_lo: float = 0.5  # learned: ~p10 (how far predictions overshoot)
+    ttft_slo_margin: float = 1.0  # learned: multiplier on ttft_error_hi steered to a target share of missed deadlines
 
     @property
     def routable(self) -> bool:
