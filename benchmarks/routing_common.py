@@ -82,18 +82,28 @@ def warm_up(urls: list[str]) -> None:
             r.read()
 
 
+def router_env(checkout: str | None) -> tuple[dict, str | None]:
+    """Environment and working directory for a `python -m tokenmill` that imports tokenmill from `checkout`.
+    The working directory matters: `python -m` puts it first on sys.path, ahead of PYTHONPATH, so a router
+    started from this repository's root with only PYTHONPATH=checkout ran this tree's code, not checkout's."""
+    if checkout is None:
+        return ENV, None
+    root = str(Path(checkout).resolve())
+    return {**ENV, "PYTHONPATH": root}, root
+
+
 @contextmanager
 def tokenmill_router(urls: list[str], port: int, policy: str, admission: str, log_dir: Path,
                      config: dict | None = None, checkout: str | None = None):
     """`tokenmill route` in front of `urls`; `checkout`: run the router from that source tree instead (an A/B
     of two versions side by side in one run)."""
-    cfg_path = log_dir / f"router-{policy}-{admission}.json"
+    cfg_path = (log_dir / f"router-{policy}-{admission}.json").resolve()
     cfg_path.write_text(json.dumps({"workers": urls, "policy": policy, "port": port,
                                     "admission": {"mode": admission}, **(config or {})}))
     log = open(log_dir / f"router-{policy}-{admission}.log", "w")
-    env = ENV if checkout is None else {**ENV, "PYTHONPATH": str(Path(checkout).resolve())}
+    env, cwd = router_env(checkout)
     proc = subprocess.Popen([PY, "-m", "tokenmill", "route", "--config", str(cfg_path), "--log-level", "warning"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", 60)
         yield f"http://127.0.0.1:{port}"
@@ -173,7 +183,10 @@ def router_estimates(url: str) -> dict[str, float]:
             if s.name == "tokenmill_router_route_decisions_total":
                 decisions[f"{s.labels['reason']}/{s.labels['cache']}"] = s.value
             for gauge, key in (("worker_prefill_rate_tokens_per_second", "prefill_rate_tps"),
-                               ("worker_prefill_overhead_seconds", "prefill_overhead_s")):
+                               ("worker_prefill_overhead_seconds", "prefill_overhead_s"),
+                               ("worker_ttft_calibration", "ttft_calibration"),
+                               ("worker_ttft_error_ratio_p90", "ttft_error_p90"),
+                               ("worker_ttft_slo_margin", "ttft_slo_margin")):
                 if s.name == f"tokenmill_router_{gauge}":
                     learned.setdefault(s.labels.get("worker", ""), {})[key] = s.value
     return {**{k: out.get(f"tokenmill_router_{k}_total", 0.0) for k in

@@ -108,3 +108,19 @@ def test_lengths_have_the_configured_mean():
     fixed = make_workload("batch:prompt=300,output=200,spread=0", approximate_vocab(), 0)
     assert {(fixed.session(i).turns[0].prompt_tokens, fixed.session(i).turns[0].max_tokens)
             for i in range(20)} == {(300, 200)}
+
+
+def test_shared_prefix_zipf_popularity():
+    """zipf=S: group k (rank k+1) is drawn with probability ∝ 1 / (k+1)**S; the system prompts are the same
+    as without zipf (only the popularity changes)."""
+    spec = "shared-prefix:groups=8,prompts=4,system=50,question=10,output=5"
+    uniform, skewed = (make_workload(spec + z, approximate_vocab(), 0) for z in ("", ",zipf=1.2"))
+    systems = [uniform.message("system", 50, "system", g).tokens.tobytes() for g in range(8)]
+    counts = np.zeros(8)
+    for i in range(4000):
+        counts[systems.index(skewed.session(i).turns[0].messages[0].tokens.tobytes())] += 1
+    expected = 1 / np.arange(1, 9) ** 1.2
+    assert np.allclose(counts / 4000, expected / expected.sum(), atol=0.02)
+    assert skewed.session(7).turns[0].digest() == make_workload(spec + ",zipf=1.2", approximate_vocab(), 0).session(7).turns[0].digest()
+    with pytest.raises(Exception, match="zipf"):
+        make_workload(spec + ",zipf=-1", approximate_vocab(), 0)

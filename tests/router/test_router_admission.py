@@ -20,6 +20,8 @@ def decide(workers, cls=INTERACTIVE, chosen=None, now=10.0, arrival=10.0, room=8
 
 def busy(url, queued_tokens, **kw):
     kw.setdefault("outstanding", 1 if queued_tokens else 0)
+    kw.setdefault("ttft_error_hi", 1.0)  # an exact predictor unless a test says otherwise
+    kw.setdefault("ttft_error_lo", 1.0)
     return WorkerView(url, prefill_tokens=queued_tokens, ttft_base_s=0.0, prefill_rate_tps=1000.0, **kw)
 
 
@@ -29,12 +31,14 @@ def test_predicted_ttft_is_queued_plus_own_uncached_work_over_rate():
     assert predicted_ttft_s(w, r) == pytest.approx((500 + 200) / 1000.0)
 
 
-def test_an_idle_worker_is_always_ok_and_a_cold_one_takes_one_probe_at_a_time():
+def test_an_idle_worker_is_always_ok_and_a_cold_one_is_preferred_less_but_never_waited_for():
     huge = decide([busy("a", 0)], prompt_tokens=50000)  # 50 s predicted, but nothing is queued there
     assert huge.action == "admit"
-    cold = busy("a", 100, rate_samples=0)  # predicted 1.1 s... with a tiny prompt it would fit, but:
-    assert decide([cold], prompt_tokens=10).action == "hold"  # the prior rate is not trusted yet
-    assert decide([busy("a", 100, rate_samples=2)], prompt_tokens=10).action == "admit"
+    cold = busy("a", 100, rate_samples=0)  # its rate is still the prior's...
+    assert decide([cold], prompt_tokens=10).action == "admit"  # ...but it is predicted to meet the SLO: no hold
+    warm = busy("b", 300, rate_samples=2)
+    a = decide([cold, warm], chosen="a", prompt_tokens=10)  # slow start: a warm worker that meets is preferred
+    assert (a.action, a.worker) == ("admit", "b")
 
 
 def test_admits_the_routing_choice_when_it_meets_the_slo():
@@ -48,26 +52,67 @@ def test_reroutes_to_a_feasible_worker_when_the_choice_misses_the_slo():
     assert (a.action, a.worker) == ("admit", "b")
 
 
-def test_holds_while_admitting_would_break_a_pending_requests_slo():
-    w = busy("a", 200, cached_prefix_tokens=500, pending_slack_s=0.5)  # 0.7 s predicted: fits its own 1 s
+def test_pending_requests_slack_is_compared_with_the_new_prompts_own_prefill_not_its_whole_ttft():
+    """The root of the holds on shared-prompt workloads: a worker serves prompts oldest first, so a new
+    prompt delays a pending one by at most its own prefill. The old rule held any request whose *whole*
+    predicted TTFT (the pending ones' work included) exceeded the least slack of those pending: here 0.7 s
+    against 0.6 s, although the request meets its own SLO and costs the pending one at most 0.5 s."""
+    w = busy("a", 200, cached_prefix_tokens=500, pending_slack_s=0.6)  # 0.7 s predicted, own prefill 0.5 s
     a = decide([w])
-    assert a.action == "hold" and a.reason == "slo"
-    assert decide([busy("a", 200, cached_prefix_tokens=500, pending_slack_s=0.9)]).action == "admit"
+    assert (a.action, a.worker) == ("admit", "a")
+    assert a.predicted_ttft_s == pytest.approx(0.7)
 
 
-def test_refuses_at_once_when_no_worker_can_make_the_slo():
-    a = decide([busy("a", 3000), busy("b", 4000)])  # waiting would not help: the budget shrinks as fast
+def test_never_holds_while_a_worker_meets_the_slo_but_prefers_one_that_endangers_nobody():
+    tight = busy("a", 200, cached_prefix_tokens=500, pending_slack_s=0.3)  # own prefill 0.5 s > 0.3 s slack
+    roomy = busy("b", 400, cached_prefix_tokens=500, pending_slack_s=0.9)  # 0.9 s predicted, still meets
+    a = decide([tight, roomy], chosen="a")
+    assert (a.action, a.worker) == ("admit", "b")
+    a = decide([tight, busy("c", 600, cached_prefix_tokens=500)], chosen="a")  # c misses: 1.1 s
+    assert (a.action, a.worker) == ("admit", "a")  # a meets the SLO: admitted rather than held
+
+
+def test_admits_within_refuses_beyond_and_holds_inside_the_predictors_error_band():
+    """The prediction is a band [p10, p90] of observed / predicted: admitted where even its upper end fits,
+    refused at once only where even its lower end misses, held in between (bounded by the budget)."""
+    band = dict(ttft_error_lo=0.7, ttft_error_hi=1.3)
+    a = decide([busy("a", 600, **band)], prompt_tokens=100)  # 0.7 s predicted, 0.91 s at the upper end
+    assert a.action == "admit"
+    a = decide([busy("a", 800, **band)], prompt_tokens=100)  # 0.9 s: may miss by its usual error
+    assert (a.action, a.reason) == ("hold", "slo")
+    a = decide([busy("a", 1200, **band)], prompt_tokens=100)  # 1.3 s, 0.91 s at the lower end: may still meet
+    assert (a.action, a.reason) == ("hold", "slo")
+    assert a.retry_after_s == pytest.approx(0.3)
+    a = decide([busy("a", 1500, **band)], prompt_tokens=100)  # 1.6 s, 1.12 s at the lower end: misses for sure
     assert (a.action, a.reason) == ("reject", "slo")
-    assert a.retry_after_s == pytest.approx(3.0)
+    exact = busy("a", 1200)  # a predictor known to be exact: 1.3 s misses for sure
+    assert (decide([exact], prompt_tokens=100).action, decide([exact], prompt_tokens=100).reason) == ("reject", "slo")
+    # held: the budget shrinks (0.75 s left; 0.91 s at the lower end misses it): refused then
+    assert decide([busy("a", 1200, **band)], prompt_tokens=100, now=10.25, arrival=10.0, held=True).reason == "deadline"
+
+
+def test_the_slo_margin_widens_the_upper_end_only_and_never_causes_a_refusal():
+    """Where admitted requests still miss their deadline the worker's margin k (>= 1) multiplies the band's
+    upper end: a request that fits at hi x 1 but not at hi x k is held, not admitted; the refusal test (the
+    lower end) is unchanged."""
+    band = dict(ttft_error_lo=0.7, ttft_error_hi=1.3)
+    assert decide([busy("a", 600, **band)], prompt_tokens=100).action == "admit"  # 0.7 s x 1.3 = 0.91 s fits
+    widened = decide([busy("a", 600, ttft_slo_margin=1.2, **band)], prompt_tokens=100)  # x 1.2 = 1.09 s
+    assert (widened.action, widened.reason) == ("hold", "slo")
+    other = busy("b", 500, **band)  # 0.6 s x 1.3 = 0.78 s: another worker still meets it at once
+    a = decide([busy("a", 600, ttft_slo_margin=1.2, **band), other], prompt_tokens=100, chosen="a")
+    assert (a.action, a.worker) == ("admit", "b")
+    # 1.3 s predicted, 0.91 s at the lower end: held with any margin, never refused because of it
+    assert decide([busy("a", 1200, ttft_slo_margin=3.0, **band)], prompt_tokens=100).action == "hold"
 
 
 def test_full_queue_refuses_and_a_held_request_expires_at_its_deadline():
-    blocked = busy("a", 200, cached_prefix_tokens=500, pending_slack_s=0.1)
-    assert decide([blocked], room=0).reason == "queue-full"
-    assert decide([blocked], now=10.2, arrival=10.0, held=True).action == "hold"
-    late = decide([busy("a", 0, outstanding=1, pending_slack_s=0.0)], now=10.6, arrival=10.0, held=True)
+    blocked = busy("a", 1050, ttft_error_lo=0.5)  # 1.15 s predicted for a 1 s budget: within the error band
+    assert decide([blocked], room=0, prompt_tokens=100).reason == "queue-full"
+    assert decide([blocked], now=10.1, arrival=10.0, held=True, prompt_tokens=100).action == "hold"
+    late = decide([blocked], now=10.6, arrival=10.0, held=True, prompt_tokens=100)  # past arrival + max wait
     assert (late.action, late.reason) == ("reject", "deadline")
-    in_time = decide([busy("a", 0, cached_prefix_tokens=900)], now=10.4, arrival=10.0, held=True)
+    in_time = decide([busy("a", 0, outstanding=1, cached_prefix_tokens=900)], now=10.4, arrival=10.0, held=True)
     assert in_time.action == "admit"  # 0.1 s predicted + 0.4 s waited <= 1 s
 
 
@@ -106,3 +151,37 @@ def test_config_validation_names_the_field():
         AdmissionConfig(mode="eventually")
     with pytest.raises(ValueError, match="idle_headroom"):
         AdmissionConfig(idle_headroom=0)
+
+
+def test_router_admits_a_request_that_meets_its_slo_even_while_others_of_its_class_are_held():
+    """Held requests wait because no worker is predicted to serve them in time; a later request that a
+    worker can serve in time (a shorter prompt here) is not queued behind them (it was, FIFO)."""
+    import asyncio
+
+    from tokenmill.router.config import RouterConfig
+    from tokenmill.router.prefix_index import PrefixIndexConfig
+    from tokenmill.router.prompt import prompt_key
+    from tokenmill.router.rates import RatePriors
+    from tokenmill.router.router import Router
+    from tokenmill.router.worker_state import WorkerSpec
+
+    async def run():
+        t = [100.0]
+        cfg = RouterConfig(workers=(WorkerSpec("http://a"),), rate_priors=RatePriors(ttft_base_s=0.0, prefill_rate_tps=1000.0))
+        router = Router(cfg, clock=lambda: t[0])
+        w = router.pool.get("http://a")
+        w.healthy, w.rates.prefill.samples = True, 5
+        w.ttft_error_hi.value, w.ttft_error_lo.value = 1.0, 0.5  # never short; may overshoot by 2x
+        w.start("earlier", 900, 0.9, now=t[0])  # 0.9 s of prefill queued there
+        key = lambda n: prompt_key({"prompt": list(range(n))}, False, PrefixIndexConfig())  # noqa: E731
+        big = router.new_request(key(200), INTERACTIVE, 4)  # 1.1 s predicted: within the margin, held
+        big_task = asyncio.ensure_future(router.acquire(big))
+        await asyncio.sleep(0)
+        assert router.queues.depths()["interactive"] == 1
+        small = await asyncio.wait_for(router.acquire(router.new_request(key(50), INTERACTIVE, 4)), 1.0)
+        assert small.worker == "http://a"  # 0.95 s predicted: admitted at once
+        assert router.queues.depths()["interactive"] == 1 and not big_task.done()
+        big_task.cancel()
+        await router.close()
+
+    asyncio.run(run())

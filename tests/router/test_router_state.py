@@ -289,3 +289,81 @@ def test_worker_reported_queued_prefill_counts_only_what_this_router_did_not_sen
     assert w.external_prefill_tokens == 0
     w.report_queued_prefill(None)  # a worker without the gauge
     assert w.external_prefill_tokens == 0
+
+
+def test_queued_prefill_gauge_does_not_count_the_cached_part_of_our_own_waiting_prompts_as_external():
+    """The worker's gauge counts a waiting request's whole prompt (its prefix hit is looked up only at
+    admission: engine/scheduler.py waiting_uncached_prompt_tokens). Shared system prompts: our 3 waiting
+    requests of 1024 cached + 64 new tokens each are 3 x 1088 there, and nothing of anyone else's."""
+    from tokenmill.router.snapshot import RouteRequest, predicted_ttft_s
+
+    w = WorkerState(WorkerSpec("http://w"), RatePriors(ttft_base_s=0.0, prefill_rate_tps=10000.0))
+    for i in range(3):
+        w.start(str(i), 64, 0.0, now=0.0, prompt_tokens=1088)
+    w.report_queued_prefill(3 * 1088)
+    assert w.external_prefill_tokens == 0  # was 3 x 1024: our own cached tokens counted as others' queue
+    r = RouteRequest("r", 0.0, 0.0, 1088)
+    assert predicted_ttft_s(w.view(cached_prefix_tokens=1024), r) == pytest.approx((3 * 64 + 64) / 10000)
+    w.report_queued_prefill(3 * 1088 + 500)  # someone else's 500-token prompt waits there too
+    assert w.external_prefill_tokens == 500
+
+
+def test_prediction_error_feeds_the_band_and_the_calibration_and_is_exported():
+    from tokenmill.router.metrics import RouterMetrics
+    from tokenmill.router.worker_state import ERROR_HI, ERROR_LO, WorkerPool
+
+    pool = WorkerPool(RatePriors())
+    w = pool.add(WorkerSpec("http://w"))
+    assert (w.view().ttft_error_hi, w.view().ttft_error_lo) == (ERROR_HI[1], ERROR_LO[1])
+    rng = random.Random(0)
+    for i in range(60):  # predicted 0.4 s, observed 0.2 s: pessimistic by 2x; it calibrates on the prior rate too
+        f = w.start(str(i), 100, 0.4 * w.ttft_calibration, now=float(i))
+        w.first_token(f, now=i + 0.2)
+        w.finish(f, now=i + 0.3, output_tokens=1)
+    assert w.ttft_calibration == pytest.approx(0.5, abs=0.01)  # the model is halved
+    for i in range(60, 600):  # calibrated, with ±30% noise: the band follows it
+        f = w.start(str(i), 100, 0.4 * w.ttft_calibration, now=float(i))
+        w.first_token(f, now=i + 0.2 * rng.uniform(0.7, 1.3))
+        w.finish(f, now=i + 0.5, output_tokens=1)
+    v = w.view()
+    assert 1.15 < v.ttft_error_hi < 1.45 and 0.6 < v.ttft_error_lo < 0.9  # ~p90 and ~p10 of 0.7..1.3 (1.24, 0.76)
+    m = RouterMetrics(pool)
+    m.ttft_relative_error.labels(w.url).observe(-0.5)
+    text = m.render().decode()
+    for name in ("ttft_prediction_relative_error_bucket", "worker_ttft_calibration", "worker_ttft_error_ratio_p90",
+                 "worker_ttft_error_ratio_p10"):
+        assert "tokenmill_router_" + name in text
+
+
+def test_slo_margin_widens_on_missed_deadlines_and_returns_to_one_when_none_miss():
+    """k: each admitted request that misses its TTFT deadline widens it by ~exp(0.1 x 0.97), each one that
+    meets it narrows it by exp(-0.1 x 0.03); bounded to [1, 3]; requests without a deadline do not count."""
+    from tokenmill.router.worker_state import MissRateMargin, SLO_MISS_TARGET
+
+    w = WorkerState(WorkerSpec("http://w"), RatePriors())
+    assert w.view().ttft_slo_margin == 1.0
+
+    def miss(i):  # sent at i, deadline i + 1, first token at i + 1.5
+        f = w.start(str(i), 100, 0.5, now=float(i), ttft_deadline_s=i + 1.0)
+        w.first_token(f, now=i + 1.5)
+        w.finish(f, now=i + 1.6, output_tokens=1)
+
+    for i in range(5):
+        miss(i)
+    assert w.view().ttft_slo_margin == pytest.approx(math.exp(5 * 0.1 * (1 - SLO_MISS_TARGET)))  # 1.62
+    for i in range(5, 20):
+        miss(i)
+    assert w.view().ttft_slo_margin == 3.0  # exp(20 x 0.097) = 7, clipped
+    f = w.start("nodeadline", 100, 0.5, now=30.0)
+    w.first_token(f, now=40.0)  # no deadline (inf): no sample
+    assert w.slo_margin.samples == 20
+    for i in range(1000):  # all met: back to the floor
+        f = w.start(f"m{i}", 100, 0.5, now=100.0 + i, ttft_deadline_s=101.0 + i)
+        w.first_token(f, now=100.2 + i)
+        w.finish(f, now=100.3 + i, output_tokens=1)
+    assert w.view().ttft_slo_margin == 1.0
+    k = MissRateMargin(0.03, 1.0, 1.0, 3.0, step=0.1)  # ~3% misses: it settles, neither runs away nor sinks
+    rng = random.Random(1)
+    for _ in range(20000):
+        k.update(missed=rng.random() < 0.03)
+    assert 1.0 <= k.value < 1.6

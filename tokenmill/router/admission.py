@@ -2,32 +2,50 @@
 
 `leading` (default) predicts from work the router has sent but not yet seen served:
 
-    budget_s  = ttft_slo_s - (now - arrival_s)                 what is left of the class's TTFT SLO
-    fits(w)   = predicted_ttft_s(w) <= budget_s                 waiting cannot change this: the queue drains
-                                                                as fast as the budget shrinks
-    clear(w)  = predicted_ttft_s(w) <= pending_slack_s(w)       the others' SLOs (see below)
-                and predicted_tpot_s(w) <= tpot_slo_s
-                and predicted_ttft_s(w) <= idle_headroom x tightest non-sheddable TTFT SLO   (sheddable only)
-                and slow start (below)                          all of these can clear by waiting
+    budget_s  = ttft_slo_s - (now - arrival_s)            what is left of the class's TTFT SLO
+    meets(w)  = predicted_ttft_s(w) x hi_w x k_w <= budget_s   predicted to meet its SLO there now, even if
+                and predicted_tpot_s(w) <= tpot_slo_s     the prediction falls short as much as it usually does
+                and (sheddable only) predicted_ttft_s(w) <= idle_headroom x tightest non-sheddable TTFT SLO
+    polite(w) = own_prefill_s(w) <= pending_slack_s(w)    a preference, never a reason to wait:
+                and slow start (below)                    admitting it here endangers nobody already sent
 
-pending_slack_s(w) is the least TTFT budget left among the requests already sent to w whose first token has
-not come: continuous batching serves a new prompt in the same steps as those, so admitting it must not
-push them past their SLO either (admitted requests keep their SLO).
+A request is never held while some worker meets its SLO: the policy's choice is admitted when it meets
+and is polite, else the polite worker that meets with the least predicted TTFT, else (none polite) the
+policy's choice if it meets, else the meeting worker with the least predicted TTFT.
+
+The predictor's current error margin on w is the band [lo_w, hi_w] of observed / predicted TTFT (online
+~p10 and ~p90 over its recent first tokens, worker_state.py): a request is admitted where even the
+prediction times hi_w x k_w fits its budget, and refused at once (429, Retry-After = the predicted excess)
+only when on every worker even the prediction times lo_w misses it — the best candidate's prediction
+exceeds the budget by more than the predictor's error margin:
+
+    refuse    when for every w: predicted_ttft_s(w) x lo_w > budget_s
+
+k_w >= 1 widens the band's upper end where admitted requests still miss their deadline: it is steered from
+outcomes, per first token, to ~3% of the requests admitted there missing their TTFT deadline
+(worker_state.MissRateMargin), and sits at 1 while none miss.
+
+Otherwise (its TTFT is within the predictor's error of the budget, or only the TPOT or idle-headroom test
+fails) it is held in its class queue (if there is room) and re-decided as work completes, until its hold
+deadline arrival + min(max_wait_s, ttft_slo_s - ttft_base_s) — never past what is left of its TTFT budget
+— then refused.
+
+pending_slack_s(w) is the least TTFT budget left among the requests already sent to w whose first token
+has not come. The worker's scheduler serves prompts in arrival order (chunked prefill fills each step's
+budget oldest first), so a new prompt delays those at most by its own prefill, `own_prefill_s` — not by
+its whole predicted TTFT, which includes theirs: an earlier rule compared that TTFT with their slack and
+held requests the worker could serve, which then reached the worker with less slack of their own and held
+the next ones (a cascade that turned a short burst into refusals and added latency).
 
 An idle worker (nothing outstanding from this router, no prefill queued there by others as the worker
-reports it) always fits and is clear: no queue can be blamed, and refusing it traffic would freeze a
-pessimistic estimate forever. Slow start: until a worker's prefill rate has
-`warmup_samples` samples it is mostly the prior, so clear(w) also needs no prefill pending there (one
-probe at a time, like TCP slow start).
-
-The routing policy's choice is admitted when it fits and is clear; else the worker that does with the
-least predicted TTFT. When no worker fits, the request is refused at once (429, Retry-After = the
-predicted excess). When some fit but none is clear, it is held in its class queue (if there is room)
-until its hold deadline arrival + min(max_wait_s, ttft_slo_s - ttft_base_s), then refused.
+reports it) always meets and is polite: no queue can be blamed, and refusing it traffic would freeze a
+pessimistic estimate forever. Slow start: until a worker's prefill rate has `warmup_samples` samples it
+is mostly the prior, so politeness also needs no prefill pending there (one probe at a time, like TCP slow
+start) — a preference for warm workers, not a hold.
 
 `lagging` is the comparison baseline: every worker fits, and clear(w) = observed TTFT EWMA <=
 lagging_ttft_factor x ttft_slo_s and reported waiting requests <= lagging_max_waiting (signals that move
-only after the overload happened).
+only after the overload happened); when no worker is clear the request is held.
 `off` admits the routing choice whenever a worker is routable.
 """
 
@@ -37,7 +55,7 @@ from dataclasses import dataclass
 
 from tokenmill.router.classes import WorkloadClass
 from tokenmill.router.policies import RouteChoice
-from tokenmill.router.snapshot import RouteSnapshot, WorkerView, predicted_tpot_s, predicted_ttft_s
+from tokenmill.router.snapshot import RouteSnapshot, WorkerView, own_prefill_s, predicted_tpot_s, predicted_ttft_s
 
 MODES = ("leading", "lagging", "off")
 
@@ -97,41 +115,68 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
     chosen = workers[choice.worker]
     if cfg.mode == "off":
         return Admission("admit", chosen.url, predicted_ttft_s(chosen, r))
+    if cfg.mode == "lagging":
+        return _lagging(snap, chosen, workers, cls, cfg, queue_room, held)
 
     budget, idle_budget = ttft_budget_s(snap, cls), idle_budget_s(cls, classes, cfg)
+    pred = {u: predicted_ttft_s(w, r) for u, w in workers.items()}
 
-    def fits(w: WorkerView) -> bool:
-        """Its own TTFT SLO can be met here. Waiting does not change this: the queue drains as fast as
-        the budget shrinks."""
-        return cfg.mode == "lagging" or idle(w) or predicted_ttft_s(w, r) <= budget
-
-    def clear(w: WorkerView) -> bool:
-        """Conditions that waiting can clear: others' SLOs, slow start, TPOT, idle capacity, lagging signals."""
-        if cfg.mode == "lagging":
-            slow = w.observed_ttft_s is not None and w.observed_ttft_s > cfg.lagging_ttft_factor * cls.ttft_slo_s
-            busy = w.reported_waiting is not None and w.reported_waiting > cfg.lagging_max_waiting
-            return not (slow or busy)
+    def meets(w: WorkerView) -> bool:
+        """Predicted to meet its SLO there now (TTFT within what is left of the budget, TPOT)."""
         if idle(w):
             return True  # an idle worker: no queue to blame, and no traffic would freeze its estimates
-        ttft_s = predicted_ttft_s(w, r)
-        warm = w.rate_samples >= cfg.warmup_samples or w.prefill_tokens == 0
         tpot_ok = not cfg.check_tpot or predicted_tpot_s(w) <= cls.tpot_slo_s
-        slack_ok = w.pending_slack_s is None or ttft_s <= w.pending_slack_s
-        return warm and tpot_ok and slack_ok and ttft_s <= idle_budget
+        return tpot_ok and pred[w.url] * w.ttft_error_hi * w.ttft_slo_margin <= min(budget, idle_budget)
 
-    if fits(chosen) and clear(chosen):
-        return Admission("admit", chosen.url, predicted_ttft_s(chosen, r))
-    feasible = [w for w in workers.values() if fits(w) and clear(w)]
-    if feasible:
-        best = min(feasible, key=lambda w: (predicted_ttft_s(w, r), w.url))
-        return Admission("admit", best.url, predicted_ttft_s(best, r))
+    def polite(w: WorkerView) -> bool:
+        """Admitting it here endangers no request already sent there, and the worker's rate is learned."""
+        if idle(w):
+            return True
+        warm = w.rate_samples >= cfg.warmup_samples or w.prefill_tokens == 0
+        return warm and (w.pending_slack_s is None or own_prefill_s(w, r) <= w.pending_slack_s)
 
-    gap_s = max(0.0, min(predicted_ttft_s(w, r) for w in workers.values()) - min(budget, idle_budget))
-    if not any(fits(w) for w in workers.values()):  # no wait can help: say so now
+    meeting = [w for w in workers.values() if meets(w)]
+    if meeting:
+        nice = [w for w in meeting if polite(w)]
+        if chosen in nice:
+            best = chosen
+        elif nice:
+            best = min(nice, key=lambda w: (pred[w.url], w.url))
+        else:
+            best = chosen if chosen in meeting else min(meeting, key=lambda w: (pred[w.url], w.url))
+        return Admission("admit", best.url, pred[best.url])
+
+    gap_s = max(0.0, min(pred.values()) - min(budget, idle_budget))
+    if all(pred[u] * w.ttft_error_lo > budget for u, w in workers.items()):
         return Admission("reject", reason="deadline" if held else "slo", retry_after_s=gap_s)
     deadline = cls.hold_deadline_s(r.arrival_s, min(w.ttft_base_s for w in workers.values()))
     if held and r.now >= deadline:
         return Admission("reject", reason="deadline", retry_after_s=gap_s)
     if not held and queue_room <= 0:
         return Admission("reject", reason="queue-full", retry_after_s=gap_s)
-    return Admission("hold", reason="lagging" if cfg.mode == "lagging" else "slo", retry_after_s=gap_s)
+    return Admission("hold", reason="slo", retry_after_s=gap_s)
+
+
+def _lagging(snap: RouteSnapshot, chosen: WorkerView, workers: dict[str, WorkerView], cls: WorkloadClass,
+             cfg: AdmissionConfig, queue_room: int, held: bool) -> Admission:
+    """The baseline: only signals that move after the overload happened."""
+    r = snap.request
+
+    def clear(w: WorkerView) -> bool:
+        slow = w.observed_ttft_s is not None and w.observed_ttft_s > cfg.lagging_ttft_factor * cls.ttft_slo_s
+        busy = w.reported_waiting is not None and w.reported_waiting > cfg.lagging_max_waiting
+        return not (slow or busy)
+
+    if clear(chosen):
+        return Admission("admit", chosen.url, predicted_ttft_s(chosen, r))
+    feasible = [w for w in workers.values() if clear(w)]
+    if feasible:
+        best = min(feasible, key=lambda w: (predicted_ttft_s(w, r), w.url))
+        return Admission("admit", best.url, predicted_ttft_s(best, r))
+    gap_s = max(0.0, min(predicted_ttft_s(w, r) for w in workers.values()) - ttft_budget_s(snap, cls))
+    deadline = cls.hold_deadline_s(r.arrival_s, min(w.ttft_base_s for w in workers.values()))
+    if held and r.now >= deadline:
+        return Admission("reject", reason="deadline", retry_after_s=gap_s)
+    if not held and queue_room <= 0:
+        return Admission("reject", reason="queue-full", retry_after_s=gap_s)
+    return Admission("hold", reason="lagging", retry_after_s=gap_s)

@@ -13,6 +13,7 @@ from tokenmill.router.worker_state import WorkerPool
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+RELATIVE_ERROR_BUCKETS = (-0.9, -0.75, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0)
 P = "tokenmill_router_"
 
 
@@ -39,6 +40,9 @@ class RouterMetrics:
                                        buckets=LATENCY_BUCKETS, registry=r)
         self.ttft_error = Histogram(P + "ttft_prediction_abs_error_seconds", "|observed - predicted| TTFT",
                                     ["worker"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft_relative_error = Histogram(
+            P + "ttft_prediction_relative_error", "(observed - predicted) / predicted TTFT, per first token "
+            "(-0.5: observed half the prediction; +1: twice)", ["worker"], buckets=RELATIVE_ERROR_BUCKETS, registry=r)
         self.rejections = Counter(P + "rejections", "Requests refused, by class and reason", ["class", "reason"],
                                   registry=r)
         self.retries = Counter(P + "retries", "Attempts that failed before the first token and were retried "
@@ -76,6 +80,15 @@ class _PoolCollector:
                                                       lambda w: w.rates.prefill_rate_tps),
             "worker_prefill_overhead_seconds": ("Learned prefill overhead per request, whatever its length",
                                                 lambda w: w.rates.ttft_base_s),
+            "worker_ttft_calibration": ("Learned correction of the modelled TTFT: EWMA of observed / modelled",
+                                        lambda w: w.ttft_calibration),
+            "worker_ttft_error_ratio_p90": ("Admission's error margin, upper end: online ~p90 of observed / predicted "
+                                            "TTFT (each floored at 0.1 s)", lambda w: w.ttft_error_hi.value),
+            "worker_ttft_error_ratio_p10": ("Admission's error margin, lower end: online ~p10 of observed / predicted "
+                                            "TTFT", lambda w: w.ttft_error_lo.value),
+            "worker_ttft_slo_margin": ("Admission's multiplier on the p90 error ratio, steered to ~3% of admitted "
+                                       "requests missing their TTFT deadline (1: none miss)",
+                                       lambda w: w.slo_margin.value),
             "worker_decode_rate_tokens_per_second": ("Learned decode rate", lambda w: w.rates.decode_rate_tps),
             "worker_tpot_per_stream_seconds": ("Learned TPOT added per decode stream",
                                                lambda w: w.rates.tpot_per_stream_s),

@@ -149,8 +149,7 @@ class Router:
         adm, snap, chunks = self.decide(ctx)
         if adm.action == "reject":
             raise self._refuse(ctx, adm.reason, adm.retry_after_s)
-        queued_ahead = bool(self.queues[ctx.cls.name]) and not ctx.tried  # FIFO within a class
-        if adm.action == "admit" and not queued_ahead:
+        if adm.action == "admit":  # even with others held: it is predicted to meet its SLO now, they are not
             return self._dispatch(ctx, adm, snap, chunks)
         if self.queues.room(ctx.cls) <= 0:
             raise self._refuse(ctx, "queue-full", adm.retry_after_s)
@@ -168,31 +167,40 @@ class Router:
         finally:
             self.metrics.queue_wait.labels(ctx.cls.name).observe(self.clock() - held.held_s)
 
+    PUMP_SCAN = 8  # held requests re-decided per class per pump: each decision costs a snapshot
+
     def pump(self) -> None:
-        """Admit, or refuse at their deadline, held requests: classes in priority order, FIFO within one.
-        Sheddable classes wait while any non-sheddable class has requests held."""
+        """Admit, or refuse at their deadline, held requests: classes in priority order, oldest first within
+        one; a held request that still cannot be admitted does not block the next ones (a shorter or cached
+        prompt may meet its SLO now), but at most PUMP_SCAN of them are re-decided per class per call (pump
+        runs on every first token, finish and 20 ms tick, and each decision builds a snapshot: re-deciding a
+        full queue of 64 each time would be ~64x the old head-only cost). Sheddable classes wait while any
+        non-sheddable class has requests held."""
         self.queues.drop_done()
         for cls in self.queues.classes:
             q = self.queues[cls.name]
-            while q:
-                head = q[0]
+            still = []
+            while q and len(still) < self.PUMP_SCAN:
+                head = q.popleft()
+                if head.future.done():
+                    continue
                 adm, snap, chunks = self.decide(head.ctx, held=True)
                 if adm.action == "admit" and cls.sheddable and self.queues.any_waiting(sheddable=False):
-                    break
+                    adm = Admission("hold")
                 if adm.action == "hold":
-                    break
-                q.popleft()
-                if adm.action == "admit":
+                    still.append(head)
+                elif adm.action == "admit":
                     head.future.set_result(self._dispatch(head.ctx, adm, snap, chunks))
                 else:
                     head.future.set_exception(self._refuse(head.ctx, adm.reason, adm.retry_after_s))
+            q.extendleft(reversed(still))
 
     def _dispatch(self, ctx: RequestCtx, adm: Admission, snap: RouteSnapshot, chunks: dict[str, int]) -> InFlight:
         w = self.pool.get(adm.worker)
         view = next(v for v in snap.workers if v.url == adm.worker)
         predicted = adm.predicted_ttft_s if adm.predicted_ttft_s is not None else 0.0
         f = w.start(ctx.request_id, uncached_tokens(view, snap.request), predicted, snap.request.now,
-                    ctx.arrival_s + ctx.cls.ttft_slo_s, ctx.max_tokens)
+                    ctx.arrival_s + ctx.cls.ttft_slo_s, ctx.max_tokens, prompt_tokens=ctx.prompt_tokens)
         f.hit_chunks, f.hit_tokens = chunks.get(w.url, 0), view.cached_prefix_tokens
         ctx.tried.add(w.url)
         self.index.insert(w.url, ctx.key.hashes, snap.request.now)
@@ -228,6 +236,9 @@ class Router:
             self.metrics.class_ttft.labels(ctx.cls.name).observe(now - ctx.arrival_s)
         self.metrics.observed_ttft.labels(f.worker).observe(ttft_s)
         self.metrics.ttft_error.labels(f.worker).observe(abs(ttft_s - f.predicted_ttft_s))
+        if f.predicted_ttft_s > 0:
+            self.metrics.ttft_relative_error.labels(f.worker).observe((ttft_s - f.predicted_ttft_s)
+                                                                      / max(f.predicted_ttft_s, 1e-3))
         self.pump()
 
     def output_tokens(self, f: InFlight, n: int = 1) -> None:

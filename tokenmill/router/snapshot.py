@@ -6,7 +6,8 @@ Everything here is frozen and clock-free: the router builds a `RouteSnapshot` fr
     uncached_w     = max(0, prompt_tokens - cached_prefix_tokens_w)
     predicted TTFT = ttft_calibration_w * (ttft_base_s_w * (prefill_requests_w + 1)
                                            + (prefill_tokens_w + external_w + uncached_w) / prefill_rate_tps_w)
-    external_w     = max(0, worker-reported queued uncached prompt tokens - prefill_tokens_w)  (last scrape)
+    external_w     = max(0, worker-reported queued prompt tokens - whole prompts this router has pending there)
+                     (last scrape; the gauge counts a waiting request's whole prompt, cached part included)
 
 ttft_base_s_w (per-request overhead) and prefill_rate_tps_w (per uncached token) are the worker's learned
 prefill fit (rates.PrefillFit): the requests whose prefill is pending there, and this one, each cost the
@@ -44,7 +45,10 @@ class WorkerView:
     pending_slack_s: float | None = None  # least TTFT budget left among requests whose prefill is pending here
     observed_ttft_s: float | None = None  # EWMA of observed TTFT: a lagging signal
     draining: bool = False  # removed at runtime: finishes what it has, gets nothing new
-    external_prefill_tokens: int = 0  # prefill queued there by others: worker-reported minus this router's
+    external_prefill_tokens: int = 0  # prefill queued there by others: worker-reported minus this router's prompts
+    ttft_error_hi: float = 1.5  # learned: ~p90 of observed / predicted TTFT here (how short predictions fall)
+    ttft_error_lo: float = 0.5  # learned: ~p10 (how far predictions overshoot)
+    ttft_slo_margin: float = 1.0  # learned: multiplier on ttft_error_hi steered to a target share of missed deadlines
 
     @property
     def routable(self) -> bool:
@@ -89,6 +93,11 @@ def queued_prefill_tokens(w: WorkerView) -> int:
 
 def predicted_ttft_s(w: WorkerView, r: RouteRequest) -> float:
     return w.ttft_calibration * prefill_time_s(w, w.prefill_requests + 1, queued_prefill_tokens(w) + uncached_tokens(w, r))
+
+
+def own_prefill_s(w: WorkerView, r: RouteRequest) -> float:
+    """This request's own prefill on w (calibrated): the most it can delay a prompt queued before it there."""
+    return w.ttft_calibration * prefill_time_s(w, 1, uncached_tokens(w, r))
 
 
 def predicted_tpot_s(w: WorkerView) -> float:

@@ -7,8 +7,8 @@ Leading indicators are counted here, at the moment the router sends work, not wh
     prefill_requests  requests sent whose first token has not come back
     decode_streams  requests past their first token and not finished
 
-The TTFT calibration is an EWMA of observed / modelled TTFT (clipped to [0.5, 4]; predictions under 50 ms,
-or made before the prefill rate had 2 samples, are skipped): what the queue model misses (step granularity, CPU contention, traffic from other clients).
+The TTFT calibration is an EWMA of observed / modelled TTFT (clipped to [0.5, 4]; predictions under 50 ms
+are skipped): what the queue model misses (step granularity, CPU contention, traffic from other clients).
 
     decode_tokens   output tokens still to come for them (sum of max_tokens - tokens seen)
 
@@ -21,6 +21,7 @@ observed TPOT). All methods take `now`; nothing here reads a clock.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tokenmill.router.rates import Ewma, RatePriors, WorkerRates
@@ -29,7 +30,16 @@ from tokenmill.router.snapshot import WorkerView
 WORKER_KINDS = ("auto", "tokenmill", "vllm", "sglang", "openai")
 MIN_CALIBRATION, MAX_CALIBRATION = 0.5, 4.0
 CALIBRATE_ABOVE_S = 0.05  # shorter predictions are mostly noise
-CALIBRATE_AFTER_SAMPLES = 2  # predictions made on the prior rate say nothing about the model
+CALIBRATE_AFTER_SAMPLES = 0  # predictions made on the prior rate calibrate too: under sustained load the
+# prefill fit may never leave its prior (no busy period ends), and then the calibration is the only correction
+CALIBRATION_ALPHA = 0.2  # per calibrating first token: a new bias is half-corrected after ~3 of them
+ERROR_STEP = 0.05  # quantile trackers of observed / predicted TTFT: step per first token (ratio units)
+ERROR_HI = (0.9, 1.5, 1.0, 4.0)  # (quantile, prior, min, max): how short a prediction usually falls
+ERROR_LO = (0.1, 0.5, 0.25, 1.0)  # how long a prediction usually overshoots
+ERROR_FLOOR_S = 0.1  # ratios of max(observed, 0.1 s) / max(predicted, 0.1 s): 20 vs 40 ms is no error for an SLO
+SLO_MISS_TARGET = 0.03  # the share of admitted requests allowed to miss their TTFT deadline (the margin steers to it)
+SLO_MARGIN_STEP = 0.1  # log-step per first token: a miss widens the margin ~10%, ~33 met deadlines undo one miss
+SLO_MARGIN = (1.0, 1.0, 3.0)  # (prior, min, max) of the multiplier on the band's upper end
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,7 @@ class InFlight:
     decode_left: int = 0  # output tokens still expected (max_tokens - seen)
     hit_chunks: int = 0  # prefix chunks the index expected cached there (for the correction)
     hit_tokens: int = 0
+    prompt_tokens: int = 0  # the whole prompt, cached part included (what a waiting request weighs in the gauge)
 
 
 class WorkerState:
@@ -84,9 +95,13 @@ class WorkerState:
         self.failures = 0  # consecutive failed health checks
         self.rates = WorkerRates(priors)
         self.observed_ttft = Ewma(0.2)
-        self.calibration = Ewma(0.2)  # observed / modelled TTFT
+        self.calibration = Ewma(CALIBRATION_ALPHA)  # observed / modelled TTFT
+        self.ttft_error_hi = QuantileTracker(*ERROR_HI, step=ERROR_STEP)  # ~p90 of observed / predicted TTFT
+        self.ttft_error_lo = QuantileTracker(*ERROR_LO, step=ERROR_STEP)  # ~p10
+        self.slo_margin = MissRateMargin(SLO_MISS_TARGET, *SLO_MARGIN, step=SLO_MARGIN_STEP)
         self.outstanding = 0
         self.prefill_tokens = 0
+        self.prefill_prompt_tokens = 0  # whole prompts (cached part included) of the pending attempts
         self._pending: dict[int, InFlight] = {}  # attempts whose prefill is pending, by id()
         self.decode_streams = 0
         self.decode_tokens = 0
@@ -105,15 +120,17 @@ class WorkerState:
         return self.kind == "tokenmill"  # vLLM rejects `priority` unless priority scheduling is on
 
     def start(self, request_id: str, uncached_tokens: int, predicted_ttft_s: float, now: float,
-              ttft_deadline_s: float = float("inf"), max_tokens: int = 16) -> InFlight:
+              ttft_deadline_s: float = float("inf"), max_tokens: int = 16, prompt_tokens: int | None = None) -> InFlight:
         self.rates.prefill.advance(now, busy=bool(self._pending))
+        prompt_tokens = max(uncached_tokens, prompt_tokens if prompt_tokens is not None else uncached_tokens)
         self.outstanding += 1
         self.prefill_tokens += uncached_tokens
+        self.prefill_prompt_tokens += prompt_tokens
         self.decode_tokens += max_tokens
         f = InFlight(request_id, self.url, uncached_tokens, self.prefill_tokens, predicted_ttft_s, now,
                      ttft_deadline_s=ttft_deadline_s, calibration_at_send=self.ttft_calibration,
                      rate_samples_at_send=self.rates.prefill.samples,
-                     decode_left=max_tokens)
+                     decode_left=max_tokens, prompt_tokens=prompt_tokens)
         self._pending[id(f)] = f
         return f
 
@@ -123,6 +140,7 @@ class WorkerState:
             f.prefill_done = True
             busy = bool(self._pending)
             self.prefill_tokens -= f.uncached_tokens
+            self.prefill_prompt_tokens -= f.prompt_tokens
             self._pending.pop(id(f), None)
             self.rates.prefill.done(f.uncached_tokens if served else 0, now, busy=busy,
                                     requests=1 if served else 0, pending_requests=len(self._pending),
@@ -138,6 +156,11 @@ class WorkerState:
         f.decode_streams_at_first = self.decode_streams
         ttft_s = now - f.sent_s
         self.observed_ttft.update(ttft_s)
+        ratio = max(ttft_s, ERROR_FLOOR_S) / max(f.predicted_ttft_s, ERROR_FLOOR_S)
+        self.ttft_error_hi.update(ratio)
+        self.ttft_error_lo.update(ratio)
+        if f.ttft_deadline_s != float("inf"):
+            self.slo_margin.update(missed=now > f.ttft_deadline_s)
         modelled_s = f.predicted_ttft_s / f.calibration_at_send
         if modelled_s >= CALIBRATE_ABOVE_S and f.rate_samples_at_send >= CALIBRATE_AFTER_SAMPLES:
             self.calibration.update(min(MAX_CALIBRATION, max(MIN_CALIBRATION, ttft_s / modelled_s)))
@@ -170,11 +193,19 @@ class WorkerState:
         return tpot_s
 
     def report_queued_prefill(self, reported_tokens: int | None) -> None:
-        """The worker's own gauge of uncached prompt tokens waiting there (tokenmill workers). What exceeds
-        the prefill this router has pending there came from elsewhere (other routers, direct clients): it is
-        counted as queued work until the next scrape. The router's pending count includes prompts already
-        running, which the gauge does not, so the difference never counts this router's own work twice."""
-        self.external_prefill_tokens = max(0, reported_tokens - max(0, self.prefill_tokens)) if reported_tokens else 0
+        """The worker's own gauge of prompt tokens queued there for prefill (tokenmill workers). What exceeds
+        the prompts this router has pending there came from elsewhere (other routers, direct clients): it is
+        counted as queued work until the next scrape.
+
+        The gauge counts a *waiting* request's whole prompt: its prefix-cache hit is only looked up when the
+        scheduler admits it. So the router subtracts its pending requests' whole prompts, not their uncached
+        tokens: subtracting the uncached estimate counted the cached part of each of its own waiting
+        requests as someone else's work (on shared system prompts ~1000 tokens per request, held for a whole
+        scrape interval). The router's whole-prompt count is ≥ what the gauge can hold of its requests
+        (running ones count only their unprefilled rest there), so its own work is never counted twice; the
+        price is that others' work can be under-counted while the router has prompts pending there."""
+        mine = max(0, self.prefill_prompt_tokens)
+        self.external_prefill_tokens = max(0, reported_tokens - mine) if reported_tokens else 0
 
     def view(self, cached_prefix_tokens: int = 0, now: float | None = None) -> WorkerView:
         r = self.rates
@@ -188,8 +219,43 @@ class WorkerState:
             ttft_calibration=self.ttft_calibration, tpot_base_s=r.tpot_base_s, tpot_per_stream_s=r.tpot_per_stream_s, rate_samples=r.prefill.samples,
             reported_running=self.reported_running, reported_waiting=self.reported_waiting, kv_usage=self.kv_usage,
             observed_ttft_s=self.observed_ttft.value, draining=self.draining, pending_slack_s=slack,
-            external_prefill_tokens=self.external_prefill_tokens,
+            external_prefill_tokens=self.external_prefill_tokens, ttft_error_hi=self.ttft_error_hi.value, ttft_error_lo=self.ttft_error_lo.value,
+            ttft_slo_margin=self.slo_margin.value,
         )
+
+
+class QuantileTracker:
+    """Online quantile (stochastic approximation) with a prior and a clip: each sample above the estimate moves
+    it up by step·q, each one below down by step·(1 − q), so it settles where a share q of recent samples
+    lies below (memory ~1 / step samples)."""
+
+    def __init__(self, q: float, prior: float, lo: float, hi: float, step: float):
+        self.q, self.lo, self.hi, self.step = q, lo, hi, step
+        self.value = prior
+        self.samples = 0
+
+    def update(self, x: float) -> None:
+        move = self.step * (self.q if x > self.value else self.q - 1.0)
+        self.value = min(self.hi, max(self.lo, self.value + move))
+        self.samples += 1
+
+
+class MissRateMargin:
+    """A multiplier k on the error band's upper end, steered by outcomes rather than by ratios: each admitted
+    request that misses its TTFT deadline (arrival + SLO, router hold included) multiplies k by
+    exp(step·(1 − target)), each one that meets it by exp(−step·target), so k settles where a share `target`
+    of admitted requests miss. With the band's ~p90 alone 6–11% of accepted requests missed their SLO
+    past saturation (single large errors; a fixed quantile does not know how many admitted requests sit
+    near their budget). Below saturation nothing misses and k stays at its floor (1: the band alone decides)."""
+
+    def __init__(self, target: float, prior: float, lo: float, hi: float, step: float):
+        self.target, self.lo, self.hi, self.step = target, lo, hi, step
+        self.value = prior
+        self.samples = 0
+
+    def update(self, missed: bool) -> None:
+        self.value = min(self.hi, max(self.lo, self.value * math.exp(self.step * (float(missed) - self.target))))
+        self.samples += 1
 
 
 class WorkerPool:
