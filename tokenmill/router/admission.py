@@ -149,12 +149,19 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
     gap_s = max(0.0, min(pred.values()) - min(budget, idle_budget))
     if all(pred[u] * w.ttft_error_lo > budget for u, w in workers.items()):
         return Admission("reject", reason="deadline" if held else "slo", retry_after_s=gap_s)
+    return _hold(snap, cls, workers, gap_s, queue_room, held, "slo")
+
+
+def _hold(snap: RouteSnapshot, cls: WorkloadClass, workers: dict[str, WorkerView], gap_s: float, queue_room: int,
+          held: bool, reason: str) -> Admission:
+    """Hold in the class queue until the hold deadline; refuse past it, or when the queue is full."""
+    r = snap.request
     deadline = cls.hold_deadline_s(r.arrival_s, min(w.ttft_base_s for w in workers.values()))
     if held and r.now >= deadline:
         return Admission("reject", reason="deadline", retry_after_s=gap_s)
     if not held and queue_room <= 0:
         return Admission("reject", reason="queue-full", retry_after_s=gap_s)
-    return Admission("hold", reason="slo", retry_after_s=gap_s)
+    return Admission("hold", reason=reason, retry_after_s=gap_s)
 
 
 def _lagging(snap: RouteSnapshot, chosen: WorkerView, workers: dict[str, WorkerView], cls: WorkloadClass,
@@ -174,9 +181,4 @@ def _lagging(snap: RouteSnapshot, chosen: WorkerView, workers: dict[str, WorkerV
         best = min(feasible, key=lambda w: (predicted_ttft_s(w, r), w.url))
         return Admission("admit", best.url, predicted_ttft_s(best, r))
     gap_s = max(0.0, min(predicted_ttft_s(w, r) for w in workers.values()) - ttft_budget_s(snap, cls))
-    deadline = cls.hold_deadline_s(r.arrival_s, min(w.ttft_base_s for w in workers.values()))
-    if held and r.now >= deadline:
-        return Admission("reject", reason="deadline", retry_after_s=gap_s)
-    if not held and queue_room <= 0:
-        return Admission("reject", reason="queue-full", retry_after_s=gap_s)
-    return Admission("hold", reason="lagging", retry_after_s=gap_s)
+    return _hold(snap, cls, workers, gap_s, queue_room, held, "lagging")
