@@ -35,6 +35,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtype", default="auto", help="tokenmill --dtype (auto: bf16 where the CPU has native bf16)")
     ap.add_argument("--quantization", default="none", help="tokenmill --quantization (none | int8)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="tokenmill --kv-cache-dtype (auto | float32 | bfloat16)")
     args = ap.parse_args()
 
     from tokenmill.engine.llm import LLM
@@ -44,7 +45,7 @@ def main() -> int:
     torch.set_num_threads(args.threads[0])
     llm = LLM(model=args.model, num_threads=args.threads[0], enable_prefix_caching=False,
               max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-              quantization=args.quantization)
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     eng = llm.engine
     spent: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
@@ -91,7 +92,7 @@ def main() -> int:
     from tokenmill.hardware import capabilities
 
     print(f"# CPU: {capabilities().summary()}; {str(eng.dtype).replace('torch.', '')}, "
-          f"quantization {args.quantization}")
+          f"quantization {args.quantization}, KV cache {str(eng.kv_dtype).replace('torch.', '')}")
     print(f"{args.model}: {args.num_requests} requests, {sum(outs)} output tokens, {columns[0][2]['execute']} steps; "
           + ", ".join(f"{t} thread(s): {w:.2f} s, {sum(outs) / w:.0f} output tok/s" for t, (w, _, _) in
                       zip(args.threads, columns)) + "\n")

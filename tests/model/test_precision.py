@@ -110,7 +110,8 @@ def test_bf16_linear_small_against_fp32_math(rows):
 
 
 @needs_kernels
-def test_bf16_paged_decode_attention_and_kv_write_against_fp32_math():
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])  # fp32: --kv-cache-dtype bfloat16
+def test_bf16_paged_decode_attention_and_kv_write_against_fp32_math(q_dtype):
     from tokenmill.model.attention import gather_kv
 
     g = torch.Generator().manual_seed(0)
@@ -124,7 +125,7 @@ def test_bf16_paged_decode_attention_and_kv_write_against_fp32_math():
         kernels.write_kv(cache[0], cache[1], k, v, slots)
         kk = gather_kv(cache[0], tables[d])[:, :n]
         assert torch.equal(kk, k.transpose(0, 1))
-    q = torch.randn(3, nh, hd, generator=g).bfloat16()
+    q = torch.randn(3, nh, hd, generator=g).to(q_dtype)
     out = torch.empty_like(q)
     kernels.paged_decode_attention(out, q, cache[0], cache[1], tables, torch.tensor(lens), hd ** -0.5, 0)
     for d, n in enumerate(lens):
@@ -262,3 +263,25 @@ def test_int8_without_native_int8_dot_products_is_still_exact_w8a8(monkeypatch):
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
     ref = F.linear(x, w)
     assert ((outs[1] - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_bf16_kv_cache_under_an_fp32_model(model_dir, tiny_dir):
+    """--kv-cache-dtype bfloat16: twice the tokens in the same bytes; logits stay within bf16 rounding of HF."""
+    from tokenmill import LLM, SamplingParams
+
+    path = model_dir("tiny-qwen3")
+    ids = torch.randint(1, 4096, (100,), generator=torch.Generator().manual_seed(4)).tolist()
+    ref = hf_logits(hf_model(path), ids)
+    s = Scorer(path, torch.float32, kv_dtype=torch.bfloat16)
+    assert s.runner.kv_caches[0].dtype == torch.bfloat16
+    a = make_req("a", ids)
+    (prefill,) = s.run([(a, 60)])
+    later = torch.cat([s.run([(a, 20)])[0], *[s.run([(a, 1)])[0] for _ in range(20)]])  # chunk + decodes read it
+    assert rel_err(prefill, ref[:60]) < 1e-4  # a fresh prefill attends to its own unrounded K/V
+    assert 1e-5 < rel_err(later, ref[60:]) < 2e-2
+    fp32 = LLM(str(tiny_dir), dtype="float32", kv_cache_bytes="8MiB")
+    half = LLM(str(tiny_dir), dtype="float32", kv_cache_dtype="bfloat16", kv_cache_bytes="8MiB")
+    assert half.engine.kv_capacity_tokens == 2 * fp32.engine.kv_capacity_tokens
+    assert "KV cache (bfloat16)" in half.engine.describe()
+    out = half.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8

@@ -14,6 +14,8 @@ def add_engine_args(p, default_model: str = "demo") -> None:
                    help="auto: bf16 on CPUs with native bf16 dot products (avx512_bf16/AMX), else fp32")
     p.add_argument("--quantization", default="none", choices=["none", "int8"],
                    help="int8: W8A8 (weights per output channel at load, activations per token, int8 GEMM)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="KV cache storage type (auto: the model's dtype; bfloat16 halves KV bytes)")
     p.add_argument("--kv-cache-bytes", default="1GiB", help="KV cache size, e.g. 512MiB, 4GiB (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
@@ -34,7 +36,7 @@ def engine_config_from_args(args):
     except ValueError:
         raise CLIError(f"--kv-cache-bytes: cannot parse {args.kv_cache_bytes!r} (e.g. 512MiB, 4GiB)") from None
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-                        kv_cache_bytes=kv,
+                        kv_cache_dtype=args.kv_cache_dtype, kv_cache_bytes=kv,
                         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching,

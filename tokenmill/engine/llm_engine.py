@@ -37,10 +37,11 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_path)
         self.device = pick_device(c.device)
         self.dtype = pick_dtype(c.dtype, cfg, self.device)
-        num_blocks = ModelRunner.num_blocks_for_bytes(cfg, c.kv_cache_bytes, c.block_size, self.dtype)
+        self.kv_dtype = self.dtype if c.kv_cache_dtype == "auto" else getattr(torch, c.kv_cache_dtype)
+        num_blocks = ModelRunner.num_blocks_for_bytes(cfg, c.kv_cache_bytes, c.block_size, self.kv_dtype)
         if num_blocks < 1:
             raise ModelLoadError(f"kv_cache_bytes={c.kv_cache_bytes} holds no block of {c.block_size} tokens "
-                                 f"({cfg.kv_bytes_per_token(self.dtype.itemsize) * c.block_size} bytes each)")
+                                 f"({cfg.kv_bytes_per_token(self.kv_dtype.itemsize) * c.block_size} bytes each)")
         self.kv_capacity_tokens = num_blocks * c.block_size
         if c.max_model_len is not None and c.max_model_len > cfg.max_position_embeddings:
             raise ModelLoadError(f"max_model_len={c.max_model_len} exceeds the model's max_position_embeddings="
@@ -52,7 +53,8 @@ class LLMEngine:
         model = load_model(self.model_path, cfg, self.device, self.dtype, max_positions=self.max_model_len,
                            quantization=c.quantization)
         window = cfg.sliding_window if cfg.sliding_window and cfg.sliding_window < self.max_model_len else None
-        self.runner = ModelRunner(model, cfg, self.device, self.dtype, num_blocks, c.block_size, window)
+        self.runner = ModelRunner(model, cfg, self.device, self.dtype, num_blocks, c.block_size, window,
+                                  kv_dtype=self.kv_dtype)
         self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, c.max_waiting_requests),
                                    self.kv)
@@ -199,6 +201,6 @@ class LLMEngine:
         c, cfg = self.config, self.model_config
         return (f"model {self.model_name} ({cfg.architecture}, {cfg.num_params() / 1e6:.1f}M params) on "
                 f"{self.device} in {str(self.dtype).replace('torch.', '')}"
-                f"{'' if c.quantization == 'none' else ' with ' + c.quantization + ' weights (W8A8)'}; KV cache {self.kv.pool.num_blocks} "
+                f"{'' if c.quantization == 'none' else ' with ' + c.quantization + ' weights (W8A8)'}; KV cache ({str(self.kv_dtype).replace('torch.', '')}) {self.kv.pool.num_blocks} "
                 f"blocks x {c.block_size} = {self.kv_capacity_tokens} tokens; max_model_len {self.max_model_len}; "
                 f"prefix caching {'on' if c.enable_prefix_caching else 'off'}; {capabilities().summary()}")

@@ -40,13 +40,15 @@ class ModelOutput:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 num_blocks: int, block_size: int, sliding_window: int | None = None):
+                 num_blocks: int, block_size: int, sliding_window: int | None = None,
+                 kv_dtype: torch.dtype | None = None):
         self.model, self.cfg, self.device, self.dtype = model, cfg, device, dtype
+        self.kv_dtype = kv_dtype or dtype  # the KV cache's storage type (--kv-cache-dtype; default: the model's)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.sliding_window = sliding_window
         shape = (2, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         if device.type == "cpu":
             _keep_freed_memory()
             from tokenmill.model.cpu_kernels import get_kernels

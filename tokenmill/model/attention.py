@@ -41,11 +41,9 @@ class AttentionMetadata:
 
 
 def _cpu_kernels(q: torch.Tensor, cache: torch.Tensor):
-    if q.dtype != cache.dtype:
-        return None
-    from tokenmill.model.cpu_kernels import kernels_for
+    from tokenmill.model.cpu_kernels import KERNEL_DTYPES, kernels_for
 
-    return kernels_for(q)
+    return kernels_for(q) if cache.dtype in KERNEL_DTYPES else None  # the cache may differ (--kv-cache-dtype)
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -78,9 +76,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     """q: [T, nh, hd]; k, v: [T, kvh, hd] (this step's new tokens). Returns [T, nh, hd]."""
     kernels = _cpu_kernels(q, cache)
     if kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
-        kernels.write_kv(cache[0], cache[1], k, v, meta.slot_mapping)
+        kernels.write_kv(cache[0], cache[1], k.to(cache.dtype), v.to(cache.dtype), meta.slot_mapping)
     else:
-        write_kv(cache, k, v, meta.slot_mapping)
+        write_kv(cache, k, v, meta.slot_mapping)  # index assignment casts to the cache's dtype
     out = torch.empty_like(q)
     nh, kvh = q.shape[1], k.shape[1]
     gqa = nh != kvh
@@ -93,8 +91,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
             vs = v[s.q_start:s.q_start + s.q_len].transpose(0, 1)
             o = _sdpa(qs, ks, vs, None, scale, gqa)
         else:
-            ks = gather_kv(cache[0], s.block_table)[:, :s.ctx_len]  # [kvh, ctx, hd]
-            vs = gather_kv(cache[1], s.block_table)[:, :s.ctx_len]
+            ks = gather_kv(cache[0], s.block_table)[:, :s.ctx_len].to(q.dtype)  # [kvh, ctx, hd]
+            vs = gather_kv(cache[1], s.block_table)[:, :s.ctx_len].to(q.dtype)
             qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)[:, None]
             kpos = torch.arange(s.ctx_len, device=q.device)[None, :]
             mask = kpos <= qpos
@@ -124,8 +122,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
                 mask &= kpos >= lens - meta.sliding_window
             meta.decode_mask = mask[:, None, None, :]
         qd = q.index_select(0, idx).unsqueeze(2)  # [D, nh, 1, hd]
-        kd = gather_kv(cache[0], meta.decode_block_tables)  # [D, kvh, S, hd]
-        vd = gather_kv(cache[1], meta.decode_block_tables)
+        kd = gather_kv(cache[0], meta.decode_block_tables).to(q.dtype)  # [D, kvh, S, hd]
+        vd = gather_kv(cache[1], meta.decode_block_tables).to(q.dtype)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
         out.index_copy_(0, idx, o.squeeze(2))
     return out

@@ -66,26 +66,26 @@ template <typename T> static inline T from_f(float v) { return static_cast<T>(v)
     return __VA_ARGS__();                                                                    \
   }()
 
-template <typename T>
+template <typename TQ, typename T>
 static void paged_decode_attention_impl(
-    torch::Tensor out,           // [D, nh, hd] T
-    torch::Tensor q,             // [D, nh, hd] T (any row stride, contiguous last dim)
+    torch::Tensor out,           // [D, nh, hd] TQ
+    torch::Tensor q,             // [D, nh, hd] TQ (any row stride, contiguous last dim)
     torch::Tensor k_cache,       // [NB, kvh, bs, hd] T, contiguous
     torch::Tensor v_cache,       // [NB, kvh, bs, hd] T, contiguous
     torch::Tensor block_tables,  // [D, MB] int64
     torch::Tensor ctx_lens,      // [D] int64
     double scale, int64_t window) {
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type() &&
-              v_cache.scalar_type() == q.scalar_type(), "q, out and the KV cache must share a dtype");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and out, K and V caches must share a dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous");
   const int64_t D = q.size(0), nh = q.size(1), hd = q.size(2);
   const int64_t kvh = k_cache.size(1), bs = k_cache.size(2), MB = block_tables.size(1);
   const int64_t G = nh / kvh;
-  const T* qp = q.data_ptr<T>();
+  const TQ* qp = q.data_ptr<TQ>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  TQ* op = out.data_ptr<TQ>();
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
@@ -196,8 +196,8 @@ static void paged_decode_attention_impl(
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        T* o = op + d * os0 + (h * G + g) * os1;
-        for (int64_t e = 0; e < hd; ++e) o[e] = from_f<T>(acc[g * hd + e]);
+        TQ* o = op + d * os0 + (h * G + g) * os1;
+        for (int64_t e = 0; e < hd; ++e) o[e] = from_f<TQ>(acc[g * hd + e]);
       }
     }
   });
@@ -205,8 +205,12 @@ static void paged_decode_attention_impl(
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                             torch::Tensor block_tables, torch::Tensor ctx_lens, double scale, int64_t window) {
+  // the KV cache may be stored in another dtype than the activations (--kv-cache-dtype)
   TM_DISPATCH(q, "paged_decode_attention", [&] {
-    paged_decode_attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, ctx_lens, scale, window);
+    using q_t = scalar_t;
+    TM_DISPATCH(k_cache, "paged_decode_attention (cache)", [&] {
+      paged_decode_attention_impl<q_t, scalar_t>(out, q, k_cache, v_cache, block_tables, ctx_lens, scale, window);
+    });
   });
 }
 
