@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-s", type=float, default=3.0, help="seconds to measure the router's idle CPU rate")
     ap.add_argument("--json", help="also write the numbers to this file")
     args = ap.parse_args(argv)
+    from tokenmill.hardware import capabilities
+
+    print(f"# CPU: {capabilities().summary()}", flush=True)  # the ISA beside every table
 
     model = make_model(Path(args.model))
     vocab = json.loads((model / "config.json").read_text()).get("vocab_size", 256)

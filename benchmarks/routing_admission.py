@@ -55,6 +55,9 @@ def main() -> int:
     p.add_argument("--base-port", type=int, default=18400)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    from tokenmill.hardware import capabilities
+
+    print(f"# CPU: {capabilities().summary()}", flush=True)  # the ISA beside every table
 
     out = args.out or Path(tempfile.mkdtemp(prefix="tokenmill-admission-"))
     out.mkdir(parents=True, exist_ok=True)

@@ -98,6 +98,9 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1, help="runs per router, in rotating order; the table averages")
     p.add_argument("--out", type=Path, default=None, help="keep bench results and logs here")
     args = p.parse_args()
+    from tokenmill.hardware import capabilities
+
+    print(f"# CPU: {capabilities().summary()}", flush=True)  # the ISA beside every table
 
     out = args.out or Path(tempfile.mkdtemp(prefix="tokenmill-routing-"))
     out.mkdir(parents=True, exist_ok=True)

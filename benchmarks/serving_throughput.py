@@ -186,6 +186,9 @@ def main(argv=None) -> int:
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads, both modes")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
+    from tokenmill.hardware import capabilities
+
+    print(f"# CPU: {capabilities().summary()}", flush=True)  # the ISA beside every table
 
     from tokenmill.model.loader import resolve_model_path
     from tokenmill.model.tokenizer import Tokenizer
