@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 # the CPU flags that decide kernels and precision, in the order they are printed
@@ -31,7 +31,6 @@ class Capabilities:
     onednn_max_isa: str | None  # ONEDNN_MAX_CPU_ISA when set
     cuda_name: str | None = None
     cuda_capability: tuple[int, int] | None = None
-    extra: dict = field(default_factory=dict)
 
     def _isa_allows(self, isa: str) -> bool:
         cap = (self.onednn_max_isa or "ALL").upper()

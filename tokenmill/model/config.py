@@ -38,7 +38,7 @@ class ArchSpec:
     defaults: dict  # the transformers config class's defaults for fields that change the math
 
 
-_COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False}
+_COMMON_DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec("attention_bias", "attention_bias", "mlp_bias", False, "none",
                                  {**_COMMON_DEFAULTS, "max_position_embeddings": 2048}),
@@ -161,7 +161,7 @@ class ModelConfig:
                 if isinstance(raw["quantization_config"], dict) else "?"
             raise ModelLoadError(f"{where}: 'quantization_config' (quant_method {method!r}): pre-quantized "
                                  "checkpoints are not supported; use an unquantized checkpoint")
-        act = raw.get("hidden_act") or "silu"
+        act = raw.get("hidden_act") or "silu"  # every supported architecture's default
         if act not in ("silu", "swish"):
             raise ModelLoadError(f"{where}: 'hidden_act' {act!r} is not supported (only silu)")
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.model.cpu_kernels import kernels_for
 
 
 class LinearMethod:
@@ -131,26 +132,25 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         layer.int8_gemm = layer.w8.device.type == "cpu" and capabilities().native_int8
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
-        from tokenmill.model.cpu_kernels import kernels_for
-
         lead, k_in = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k_in).contiguous()
         m, n = x2.shape[0], layer.out_features
         kernels = kernels_for(x2)
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        if kernels is not None and 0 < m <= self.SMALL_ROWS:
-            kernels.linear_small_int8(out, x2, layer.w8, layer.w_scale, layer.bias)
-        elif kernels is not None and layer.int8_gemm:
-            q = torch.empty(m, k_in, dtype=torch.int8)
-            sx = torch.empty(m, dtype=torch.float32)
-            kernels.quantize_rows(q, sx, x2)
-            kernels.dequant_rows(out, torch._int_mm(q, layer.w8_t), sx, layer.w_scale, layer.bias)
+        if kernels is not None and m > 0 and (m <= self.SMALL_ROWS or layer.int8_gemm):
+            out = torch.empty(m, n, dtype=x.dtype)
+            if m <= self.SMALL_ROWS:
+                kernels.linear_small_int8(out, x2, layer.w8, layer.w_scale, layer.bias)
+            else:
+                q = torch.empty(m, k_in, dtype=torch.int8)
+                sx = torch.empty(m, dtype=torch.float32)
+                kernels.quantize_rows(q, sx, x2)
+                kernels.dequant_rows(out, torch._int_mm(q, layer.w8_t), sx, layer.w_scale, layer.bias)
         else:  # no int8 dot products, CUDA, fp16 or no compiler: the same W8A8 math, products in fp32
             xf = x2.float()
             sx = (xf.abs().amax(dim=1, keepdim=True) / 127.0)
             sx = torch.where(sx > 0, sx, torch.ones_like(sx))
             q = torch.round(xf / sx).clamp_(-127, 127)
-            y = (q @ layer.w8_t.float()) * sx * layer.w_scale  # exact: |products| and sums stay far below 2^24
+            y = (q @ layer.w8_t.float()) * sx * layer.w_scale  # fp32 sums: exact while 127*127*K < 2^24
             out = (y + layer.bias.float() if layer.bias is not None else y).to(x.dtype)
         return out.view(*lead, n)
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <algorithm>
+#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -442,17 +443,6 @@ static bool linear_small_dpbf16(const at::BFloat16* xp, const at::BFloat16* wp, 
   return true;
 }
 #endif
-static bool linear_small_dpbf16_dispatch(const float*, const float*, float*, const float*, int64_t, int64_t, int64_t,
-                                         int64_t, int64_t) { return false; }
-static bool linear_small_dpbf16_dispatch(const at::BFloat16* xp, const at::BFloat16* wp, at::BFloat16* op,
-                                         const at::BFloat16* bp, int64_t M, int64_t K, int64_t N, int64_t n0,
-                                         int64_t n1) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  return linear_small_dpbf16(xp, wp, op, bp, M, K, N, n0, n1);
-#else
-  return false;
-#endif
-}
 
 template <typename T>
 static void linear_small_impl(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
@@ -466,7 +456,11 @@ static void linear_small_impl(torch::Tensor out, torch::Tensor x, torch::Tensor 
   T* op = out.data_ptr<T>();
   const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
   at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
-    if (linear_small_dpbf16_dispatch(xp, wp, op, bp, M, K, N, n0, n1)) return;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if constexpr (std::is_same<T, at::BFloat16>::value) {
+      if (linear_small_dpbf16(xp, wp, op, bp, M, K, N, n0, n1)) return;
+    }
+#endif
 #ifdef TM_AVX2
     if (K % 8 == 0) {
       switch (M) {
