@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     wurl, rurl = f"http://127.0.0.1:{wport}", f"http://127.0.0.1:{rport}"
     wlog, rlog = open(tmp / "worker.log", "w"), open(tmp / "router.log", "w")
     worker = subprocess.Popen([PY, "-m", "tokenmill", "serve", "--model", str(model), "--port", str(wport),
-                               "--num-threads", "1", "--log-level", "warning"], stdout=wlog,
+                               "--num-threads", "1", "--log-level", "warning", "--admission", "off"], stdout=wlog,
                               stderr=subprocess.STDOUT, env=ENV)
     router = None
     try:

@@ -64,7 +64,7 @@ def workers(model: Path, n: int, base_port: int, kv_cache_size: str, log_dir: Pa
             log = open(log_dir / f"worker{i}.log", "w")
             procs.append(subprocess.Popen(
                 [PY, "-m", "tokenmill", "serve", "--model", str(model), "--port", str(port), "--num-threads", "1",
-                 "--kv-cache-size", kv_cache_size], stdout=log, stderr=subprocess.STDOUT, env=ENV))
+                 "--kv-cache-size", kv_cache_size, "--admission", "off"], stdout=log, stderr=subprocess.STDOUT, env=ENV))
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
             wait_http(url + "/health")

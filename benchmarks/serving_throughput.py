@@ -122,7 +122,7 @@ class Http:
     """`tokenmill serve` in a subprocess (idle between runs: its engine thread sleeps)."""
 
     def __init__(self, args):
-        cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", "0", *engine_flags(args)]
+        cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", "0", "--admission", "off", *engine_flags(args)]
         self.args = args
         self.server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         line = self.server.stdout.readline()

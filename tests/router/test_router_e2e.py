@@ -25,7 +25,7 @@ class Worker:
     def __init__(self, model_dir):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tokenmill", "serve", "--model", str(model_dir), "--port", "0",
-             "--num-threads", "1", "--kv-cache-size", "64MiB"],
+             "--num-threads", "1", "--kv-cache-size", "64MiB", "--admission", "off"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.url = None
 

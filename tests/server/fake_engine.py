@@ -1,7 +1,9 @@
 """A model-free engine with LLMEngine's interface, for fast HTTP-layer tests.
 
 Every running request gets one token per step from a fixed cycle of words; `step_s` of sleep stands for the
-compute. Prefix caching is simulated on full blocks, KV usage is counted per request. Failure hooks:
+compute, plus `prefill_s_per_token` per uncached prompt token the step prefills. Prompts are prefilled in
+chunks under a per-step token budget (`max_num_batched_tokens`, or the `token_budget` the caller passes);
+a request's first token comes in the step that finishes its prompt. Prefix caching is simulated on full blocks, KV usage is counted per request. Failure hooks:
 `fail_next_step` makes step() raise once; a request with `seed == ERROR_SEED` finishes with reason "error".
 """
 
@@ -18,6 +20,11 @@ ERROR_SEED = 13
 
 
 @dataclass
+class _Config:
+    max_num_batched_tokens: int
+
+
+@dataclass
 class _Req:
     rid: str
     prompt: list[int]
@@ -27,11 +34,14 @@ class _Req:
     text: str = ""
     cached: int = 0
     started: bool = False
+    prefilled: int = 0  # prompt tokens computed (the cached ones included)
+    tpot_slo_s: float | None = None
 
 
 class FakeEngine:
     def __init__(self, max_model_len: int = 256, block_size: int = 4, num_blocks: int = 512, max_running: int = 64,
-                 max_waiting: int = 256, step_s: float = 0.002, enable_prefix_caching: bool = True):
+                 max_waiting: int = 256, step_s: float = 0.002, enable_prefix_caching: bool = True,
+                 prefill_s_per_token: float = 0.0, max_num_batched_tokens: int = 1 << 30):
         self.tokenizer = Tokenizer(SHIPPED_TOKENIZER_DIR)
         self.model_name = "fake"
         self.max_model_len = max_model_len
@@ -42,6 +52,10 @@ class FakeEngine:
         self.max_waiting = max_waiting
         self.step_s = step_s
         self.enable_prefix_caching = enable_prefix_caching
+        self.prefill_s_per_token = prefill_s_per_token
+        self.config = _Config(max_num_batched_tokens)
+        self.last_step_decodes = self.last_step_prefill_tokens = 0
+        self.budgets: list[int | None] = []  # the token_budget of each step (tests read it)
         self.words = self.tokenizer.encode(" alpha beta gamma delta epsilon zeta eta theta")
         self.waiting: list[_Req] = []
         self.running: dict[str, _Req] = {}
@@ -52,7 +66,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.c = dict(queries=0, hits=0, prompt=0, gen=0, steps=0)
 
-    def add_request(self, request_id, prompt_token_ids, params, priority=0):
+    def add_request(self, request_id, prompt_token_ids, params, priority=0, ttft_deadline=None, tpot_slo_s=None):
         if not prompt_token_ids:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
@@ -61,7 +75,7 @@ class FakeEngine:
             raise InvalidRequestError("token id out of range", param="prompt")
         if len(self.waiting) >= self.max_waiting:
             raise EngineOverloadedError(f"waiting queue full ({self.max_waiting})")
-        self.waiting.append(_Req(request_id, list(prompt_token_ids), params, priority))
+        self.waiting.append(_Req(request_id, list(prompt_token_ids), params, priority, tpot_slo_s=tpot_slo_s))
         self.waiting.sort(key=lambda r: r.priority)
         self.added.append(request_id)
 
@@ -72,6 +86,21 @@ class FakeEngine:
 
     def has_unfinished_requests(self):
         return bool(self.waiting or self.running)
+
+    def num_decoding(self):
+        return sum(1 for r in self.running.values() if r.started and r.prefilled >= len(r.prompt))
+
+    def tightest_tpot_slo_s(self):
+        return min((r.tpot_slo_s for r in self.running.values() if r.tpot_slo_s is not None
+                    and r.started and r.prefilled >= len(r.prompt)), default=None)
+
+    def cached_prefix_tokens(self, prompt: list[int]) -> int:
+        bs, hit = self.block_size, 0
+        for end in range(bs, len(prompt), bs):
+            if not self.enable_prefix_caching or tuple(prompt[:end]) not in self.cached_blocks:
+                break
+            hit = end
+        return hit
 
     def _prefix_hit(self, prompt: list[int]) -> int:
         bs, hit = self.block_size, 0
@@ -84,26 +113,43 @@ class FakeEngine:
             self.cached_blocks.add(tuple(prompt[:end]))
         return hit
 
-    def step(self):
+    def step(self, now=None, token_budget=None):
         if self.fail_next_step:
             self.fail_next_step = False
             raise RuntimeError("injected step failure")
+        self.budgets.append(token_budget)
+        budget = min(self.config.max_num_batched_tokens, token_budget or self.config.max_num_batched_tokens)
         self.last_first_scheduled = []
-        while self.waiting and len(self.running) < self.max_running:
+        decoding = [r for r in self.running.values() if r.started and r.prefilled >= len(r.prompt)]
+        budget -= len(decoding)
+        while self.waiting and len(self.running) < self.max_running and budget > 0:
             r = self.waiting.pop(0)
             self.running[r.rid] = r
             self.admitted.append(r.rid)
             self.last_first_scheduled.append(r.rid)
-        time.sleep(self.step_s)
+            r.started = True
+            r.cached = r.prefilled = self._prefix_hit(r.prompt)
+            self.c["queries"] += len(r.prompt)
+            self.c["hits"] += r.cached
+            self.c["prompt"] += len(r.prompt)
+            budget -= 1  # at least one token of each admitted prompt
+            r.prefilled += 1
+        prefill_tokens, ready = len(self.last_first_scheduled), []
+        for r in self.running.values():
+            if r in decoding:
+                ready.append(r)
+                continue
+            chunk = max(0, min(len(r.prompt) - r.prefilled, budget))
+            r.prefilled += chunk
+            budget -= chunk
+            prefill_tokens += chunk
+            if r.prefilled >= len(r.prompt):
+                ready.append(r)
+        self.last_step_decodes, self.last_step_prefill_tokens = len(decoding), prefill_tokens
+        time.sleep(self.step_s + self.prefill_s_per_token * prefill_tokens)
         self.c["steps"] += 1
         outs = []
-        for r in list(self.running.values()):
-            if not r.started:
-                r.started = True
-                r.cached = self._prefix_hit(r.prompt)
-                self.c["queries"] += len(r.prompt)
-                self.c["hits"] += r.cached
-                self.c["prompt"] += len(r.prompt)
+        for r in ready:
             tid = self.words[len(r.out) % len(self.words)]
             r.out.append(tid)
             self.c["gen"] += 1

@@ -66,12 +66,17 @@ class LLMEngine:
         self._gens: dict[str, torch.Generator] = {}
         self.num_steps = 0
         self.last_first_scheduled: list[str] = []  # ids the last step scheduled for the first time
+        self.last_step_decodes = 0  # the last step's composition (for a step-time model)
+        self.last_step_prefill_tokens = 0
         self.prompt_tokens_total = 0  # prompt tokens of admitted requests
         self.generation_tokens_total = 0
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, ttft_deadline: float | None = None, tpot_slo_s: float | None = None) -> None:
+        """Queue a request. `ttft_deadline` (on the clock the caller passes to `step(now=...)`) orders waiting
+        requests earliest-deadline-first within a priority level and demotes them once missed;
+        `tpot_slo_s` lets the caller size steps (`tightest_tpot_slo_s`) so its decode keeps that pace."""
         params = params or SamplingParams()
         n = len(prompt_token_ids)
         if n == 0:
@@ -90,7 +95,8 @@ class LLMEngine:
             raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
         if self.scheduler.num_waiting >= self.config.max_waiting_requests:
             raise EngineOverloadedError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
-        req = Request(request_id, list(prompt_token_ids), params, priority=priority, max_total_tokens=self.max_model_len)
+        req = Request(request_id, list(prompt_token_ids), params, priority=priority, max_total_tokens=self.max_model_len,
+                      ttft_deadline=float("inf") if ttft_deadline is None else ttft_deadline, tpot_slo_s=tpot_slo_s)
         self.scheduler.add(req)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         if params.seed is not None:
@@ -106,11 +112,25 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
+        """Prompt tokens the prefix cache would serve now (an estimate; safe from another thread)."""
+        return self.kv.cached_prefix_tokens(prompt_token_ids)
+
+    def tightest_tpot_slo_s(self) -> float | None:
+        """The least TPOT promised to a request decoding now (None: none promised)."""
+        return self.scheduler.tightest_tpot_slo_s()
+
+    def num_decoding(self) -> int:
+        return self.scheduler.num_decoding()
+
     # -- the step -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, execute, and make output."""
-        sched = self.scheduler.schedule()
+    def step(self, now: float | None = None, token_budget: int | None = None) -> list[RequestOutput]:
+        """Schedule, execute, and make output. `now`: the caller's clock for TTFT deadlines (None: ignore
+        them); `token_budget`: at most this many tokens in this step (default max_num_batched_tokens)."""
+        sched = self.scheduler.schedule(now, token_budget)
         self.last_first_scheduled = sched.first_scheduled  # for callers that time the waiting phase
+        self.last_step_decodes = sum(1 for s in sched.seqs if len(s.token_ids) == 1 and s.num_logits)
+        self.last_step_prefill_tokens = sched.num_batched_tokens - self.last_step_decodes
         if sched.empty:
             return []
         self.num_steps += 1

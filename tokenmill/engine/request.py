@@ -29,6 +29,8 @@ class Request:
     params: SamplingParams
     priority: int = 0  # lower first
     arrival_seq: int = 0  # FCFS tie-break among equal priority (a counter, not a clock)
+    ttft_deadline: float = float("inf")  # first token due by then (the caller's clock; inf: none): EDF order
+    tpot_slo_s: float | None = None  # time per output token it was promised: caps the step's prefill tokens
     max_total_tokens: int = 0  # prompt + output may not exceed this (max_model_len)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -54,7 +56,17 @@ class Request:
 
     @property
     def sort_key(self) -> tuple[int, int]:
+        """Running requests (and preemption victims) are ordered by this: priority, then arrival."""
         return (self.priority, self.arrival_seq)
+
+    @property
+    def waiting_key(self) -> tuple[int, float, int]:
+        """Waiting requests: priority, then earliest TTFT deadline (EDF; all-inf deadlines are FCFS), then arrival."""
+        return (self.priority, self.ttft_deadline, self.arrival_seq)
+
+    def late(self, now: float | None) -> bool:
+        """Its first token can no longer come by its deadline (a preempted request that streamed is never late)."""
+        return now is not None and not self.output_token_ids and now > self.ttft_deadline
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -1,10 +1,18 @@
-"""Scheduler: continuous batching with chunked prefill under a per-step token budget, priorities, and
-preemption by recompute.
+"""Scheduler: continuous batching with chunked prefill under a per-step token budget, priorities, TTFT
+deadlines, and preemption by recompute.
 
 Each step: (1) running requests that are decoding get their token first (never starved by a prefill),
-(2) running requests still prefilling get chunks, (3) waiting requests are admitted in (priority, arrival)
-order with their prefix-cache hit, chunked to the remaining budget. When blocks run out, the lowest-priority
-running request not yet scheduled this step is preempted (its blocks freed; it is recomputed later).
+(2) running requests still prefilling get chunks, (3) waiting requests are admitted in (priority, earliest
+TTFT deadline, arrival) order with their prefix-cache hit, chunked to the remaining budget. When blocks run
+out, the lowest-priority running request not yet scheduled this step is preempted (its blocks freed; it is
+recomputed later).
+
+Deadlines (`Request.ttft_deadline`, on the caller's clock; `now` is passed to `schedule`): within a priority
+level the earliest deadline goes first (with equal SLOs that is arrival order). A waiting request whose
+deadline has passed before its first token is *late*: it moves behind every on-time request of its priority
+level (served later, in arrival order), so it does not take the place of one that can still make its SLO.
+The step's token budget can be lowered per step (`schedule(token_budget=...)`): the caller sizes it so the
+step stays within the TPOT of the requests decoding (engine/step_budget.py).
 
 No clock and no I/O: the same code runs under the real engine and under the simulator's virtual clock.
 """
@@ -57,7 +65,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
-        self.waiting: list[tuple[tuple[int, int], Request]] = []  # heap by (priority, arrival_seq)
+        self.waiting: list[tuple[tuple, Request]] = []  # heap by Request.waiting_key (priority, deadline, seq)
+        self.late: list[tuple[tuple, Request]] = []  # waiting requests past their TTFT deadline: (priority, seq)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -68,18 +77,28 @@ class Scheduler:
         req.arrival_seq = self._arrivals
         self._arrivals += 1
         self.requests[req.request_id] = req
-        heapq.heappush(self.waiting, (req.sort_key, req))
+        self._push_waiting(req)
+
+    def _push_waiting(self, req: Request) -> None:
+        heapq.heappush(self.waiting, (req.waiting_key, req))
+
+    def waiting_requests(self) -> list[Request]:
+        return [r for _, r in self.waiting] + [r for _, r in self.late]
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.late)
+
+    @property
+    def num_late(self) -> int:
+        return len(self.late)
 
     @property
     def num_running(self) -> int:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.late or self.running)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Remove a request (finished, aborted, failed) and free its blocks at once."""
@@ -87,25 +106,42 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         else:
-            idx = next((i for i, (_, r) in enumerate(self.waiting) if r is req), None)
-            if idx is not None:
-                self.waiting.pop(idx)
-                heapq.heapify(self.waiting)
+            for heap in (self.waiting, self.late):
+                idx = next((i for i, (_, r) in enumerate(heap) if r is req), None)
+                if idx is not None:
+                    heap.pop(idx)
+                    heapq.heapify(heap)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
 
     def waiting_uncached_prompt_tokens(self) -> int:
         """Leading indicator: prefill tokens queued (waiting requests, and the unprefilled rest of running)."""
-        n = sum(r.num_tokens - r.num_computed_tokens for _, r in self.waiting)
+        n = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting_requests())
         n += sum(r.num_tokens - 1 - r.num_computed_tokens for r in self.running if r.num_computed_tokens < r.num_tokens - 1)
         return n
 
+    def tightest_tpot_slo_s(self) -> float | None:
+        """The least TPOT promised to a running request past its prefill (None: none promised)."""
+        slos = [r.tpot_slo_s for r in self.running
+                if r.tpot_slo_s is not None and r.num_tokens - r.num_computed_tokens == 1]
+        return min(slos, default=None)
+
+    def num_decoding(self) -> int:
+        return sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+
     # -- the step -------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None, token_budget: int | None = None) -> SchedulerOutput:
+        """One step's batch. `now` (the caller's clock, the one deadlines are on) demotes late waiting
+        requests; `token_budget` lowers max_num_batched_tokens for this step (never below one token per
+        decoding request plus one)."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        scheduled: set[str] = set()
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        budget = self.config.max_num_batched_tokens
+        if token_budget is not None:
+            budget = max(min(budget, token_budget), min(budget, len(decoding) + 1))
+        total = budget
+        self._demote_late(now)
+        scheduled: set[str] = set()
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         decoding.sort(key=lambda r: r.sort_key)
         prefilling.sort(key=lambda r: r.sort_key)
@@ -127,17 +163,30 @@ class Scheduler:
             budget -= num_new
         if not out.preempted:
             budget = self._admit_waiting(budget, out)
-        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.num_batched_tokens = total - budget
         return out
 
+    def _demote_late(self, now: float | None) -> None:
+        """Move waiting requests whose TTFT deadline passed behind the on-time ones of their priority. In EDF
+        order the late ones of a priority level are at its front, so looking at the heap's head suffices."""
+        while self.waiting and self.waiting[0][1].late(now):
+            _, req = heapq.heappop(self.waiting)
+            heapq.heappush(self.late, (req.sort_key, req))
+
+    def _next_waiting(self) -> list | None:
+        """The heap holding the next request to admit: on-time before late within a priority level."""
+        if self.waiting and self.late:
+            return self.late if self.late[0][0][0] < self.waiting[0][0][0] else self.waiting
+        return self.waiting or self.late or None
+
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0][1]
+        while (heap := self._next_waiting()) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = heap[0][1]
             computed, num_cached = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, num_cached, num_new, computed):
                 break  # head of line waits for blocks; lower priorities must not jump ahead of it
-            heapq.heappop(self.waiting)
+            heapq.heappop(heap)
             if req.num_cached_tokens < 0:  # first admission: record the prefix hit of the prompt
                 req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
                 self.kv.record_prefix_query(req.num_prompt_tokens, req.num_cached_tokens)
@@ -171,5 +220,5 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        heapq.heappush(self.waiting, (req.sort_key, req))
+        self._push_waiting(req)
         out.preempted.append(req.request_id)

@@ -18,9 +18,12 @@ P = "tokenmill_router_"
 
 
 class RouterMetrics:
-    def __init__(self, pool: WorkerPool, queue_depths=lambda: {}):
+    """`prefix`: tokenmill_router_ for the router; the server's admission uses the same series under
+    tokenmill_admission_ (its one "worker" is its own engine)."""
+
+    def __init__(self, pool: WorkerPool, queue_depths=lambda: {}, prefix: str = P):
         self.registry = CollectorRegistry()
-        r = self.registry
+        r, P = self.registry, prefix
         self.requests = Counter(P + "requests", "Requests by class and outcome "
                                 "(ok, rejected, failed, client_error, cancelled)", ["class", "outcome"], registry=r)
         self.routed = Counter(P + "routed_requests", "Attempts sent to each worker", ["worker"], registry=r)
@@ -45,6 +48,10 @@ class RouterMetrics:
             "(-0.5: observed half the prediction; +1: twice)", ["worker"], buckets=RELATIVE_ERROR_BUCKETS, registry=r)
         self.rejections = Counter(P + "rejections", "Requests refused, by class and reason", ["class", "reason"],
                                   registry=r)
+        self.admitted = Counter(P + "admitted", "Requests admitted (sent to a worker), by class", ["class"],
+                                registry=r)
+        self.deadline_misses = Counter(P + "ttft_deadline_misses", "Admitted requests whose first token came after "
+                                       "their class's TTFT SLO (from arrival)", ["class"], registry=r)
         self.retries = Counter(P + "retries", "Attempts that failed before the first token and were retried "
                                "elsewhere", ["worker", "reason"], registry=r)
         self.class_ttft = Histogram(P + "class_ttft_seconds", "TTFT per class (from router arrival)", ["class"],
@@ -55,15 +62,15 @@ class RouterMetrics:
                                ["class"], registry=r)
         self.queue_wait = Histogram(P + "queue_wait_seconds", "Time held in the class queue before dispatch",
                                     ["class"], buckets=LATENCY_BUCKETS, registry=r)
-        r.register(_PoolCollector(pool, queue_depths))
+        r.register(_PoolCollector(pool, queue_depths, P))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _PoolCollector:
-    def __init__(self, pool: WorkerPool, queue_depths):
-        self.pool, self.queue_depths = pool, queue_depths
+    def __init__(self, pool: WorkerPool, queue_depths, prefix: str = P):
+        self.pool, self.queue_depths, self.prefix = pool, queue_depths, prefix
 
     def collect(self):
         gauges = {
@@ -93,7 +100,7 @@ class _PoolCollector:
             "worker_tpot_per_stream_seconds": ("Learned TPOT added per decode stream",
                                                lambda w: w.rates.tpot_per_stream_s),
         }
-        workers = list(self.pool)
+        workers, P = list(self.pool), self.prefix
         for name, (doc, get) in gauges.items():
             g = GaugeMetricFamily(P + name, doc, labels=["worker"])
             for w in workers:

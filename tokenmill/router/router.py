@@ -55,7 +55,7 @@ class RequestCtx:
 
 
 class Router:
-    def __init__(self, cfg: RouterConfig, clock=time.monotonic):
+    def __init__(self, cfg: RouterConfig, clock=time.monotonic, metrics_prefix: str = "tokenmill_router_"):
         self.cfg = cfg
         self.clock = clock
         self.pool = WorkerPool(cfg.rate_priors)
@@ -66,7 +66,7 @@ class Router:
         self.policy = get_policy(cfg.policy)
         self.classes = by_name(cfg.classes)
         self.queues = ClassQueues(cfg.classes)
-        self.metrics = RouterMetrics(self.pool, self.queues.depths)
+        self.metrics = RouterMetrics(self.pool, self.queues.depths, prefix=metrics_prefix)
         self.in_flight = 0  # requests accepted and not answered (held ones included)
         self._seq = itertools.count()
         self._ticker: asyncio.Task | None = None
@@ -127,12 +127,22 @@ class Router:
         now = self.clock()
         views, chunks = [], {}
         for w in self.pool:
-            n = self.index.match(w.url, ctx.key.hashes, now) if w.healthy else 0
-            chunks[w.url] = n
-            views.append(w.view(self.tokens.hit_tokens(ctx.key, n, ctx.prompt_tokens), now))
+            hit, chunks[w.url] = self.cached_prefix(ctx, w, now)
+            views.append(w.view(hit, now))
         req = RouteRequest(ctx.request_id, now, ctx.arrival_s, ctx.prompt_tokens, ctx.cls.name, ctx.seq,
                            ctx.max_tokens, frozenset(ctx.tried), ctx.cls.ttft_slo_s - (now - ctx.arrival_s))
         return RouteSnapshot(tuple(views), req), chunks
+
+    def cached_prefix(self, ctx: RequestCtx, w: WorkerState, now: float) -> tuple[int, int]:
+        """(estimated cached prompt tokens of ctx on w, prefix-index chunks matched): the prefix index's
+        estimate. A caller that can look into the worker's cache (the server over its own engine) overrides
+        this and `remember`."""
+        n = self.index.match(w.url, ctx.key.hashes, now) if w.healthy else 0
+        return self.tokens.hit_tokens(ctx.key, n, ctx.prompt_tokens), n
+
+    def remember(self, url: str, ctx: RequestCtx, now: float) -> None:
+        """ctx's prompt was sent to url: its prefix will be cached there."""
+        self.index.insert(url, ctx.key.hashes, now)
 
     def decide(self, ctx: RequestCtx, held: bool = False) -> tuple[Admission, RouteSnapshot, dict[str, int]]:
         snap, chunks = self.snapshot(ctx)
@@ -203,9 +213,10 @@ class Router:
                     ctx.arrival_s + ctx.cls.ttft_slo_s, ctx.max_tokens, prompt_tokens=ctx.prompt_tokens)
         f.hit_chunks, f.hit_tokens = chunks.get(w.url, 0), view.cached_prefix_tokens
         ctx.tried.add(w.url)
-        self.index.insert(w.url, ctx.key.hashes, snap.request.now)
+        self.remember(w.url, ctx, snap.request.now)
         m = self.metrics
         m.routed.labels(w.url).inc()
+        m.admitted.labels(ctx.cls.name).inc()
         reason = ctx.choice.reason if ctx.choice is not None and ctx.choice.worker == w.url else "admission"
         longest = max(v.cached_prefix_tokens for v in snap.routable(snap.request.exclude))
         m.decisions.labels(reason, "longest" if view.cached_prefix_tokens >= longest else "shorter").inc()
@@ -234,6 +245,8 @@ class Router:
         if ctx.first_token_s is None:
             ctx.first_token_s = now
             self.metrics.class_ttft.labels(ctx.cls.name).observe(now - ctx.arrival_s)
+            if now - ctx.arrival_s > ctx.cls.ttft_slo_s:
+                self.metrics.deadline_misses.labels(ctx.cls.name).inc()
         self.metrics.observed_ttft.labels(f.worker).observe(ttft_s)
         self.metrics.ttft_error.labels(f.worker).observe(abs(ttft_s - f.predicted_ttft_s))
         if f.predicted_ttft_s > 0:

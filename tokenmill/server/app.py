@@ -24,6 +24,9 @@ from aiohttp import web
 
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.errors import EngineOverloadedError, InvalidRequestError
+from tokenmill.router.classes import CLASS_HEADER
+from tokenmill.router.router import Refused
+from tokenmill.server.admission import ServerAdmission, ServerAdmissionConfig
 from tokenmill.server.async_engine import AsyncEngine, EngineError, RequestStream
 from tokenmill.server.metrics import CONTENT_TYPE, ServerMetrics
 from tokenmill.server.protocol import (
@@ -40,8 +43,10 @@ class OpenAIServer:
     """The handlers, over one AsyncEngine. `served_model_names[0]` is the name responses carry."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, served_model_names: list[str],
-                 api_key: str | None = None, kv_capacity_tokens: int | None = None):
+                 api_key: str | None = None, kv_capacity_tokens: int | None = None,
+                 admission: ServerAdmission | None = None):
         self.engine = engine
+        self.admission = admission
         self.metrics = metrics
         self.model_names = served_model_names
         self.api_key = api_key
@@ -78,22 +83,40 @@ class OpenAIServer:
                 code="context_length_exceeded")
         priority = req.priority
         if priority is None:
-            priority = parse_priority_header(request.headers.get("x-tokenmill-priority")) or 0
+            priority = parse_priority_header(request.headers.get("x-tokenmill-priority"))
         rid = f"{'cmpl' if req.kind == 'completion' else 'chatcmpl'}-{self._id_prefix}{next(self._ids):x}"
+        deadline = tpot_slo = None
+        if self.admission is not None:
+            try:
+                cls = self.admission.workload_class(request.headers.get(CLASS_HEADER), req.workload_class)
+            except InvalidRequestError as e:
+                raise from_invalid(e) from None
+            priority = cls.priority if priority is None else priority
+            try:
+                ticket = await self.admission.acquire(rid, cls, ids, max_tokens)
+            except Refused as e:
+                raise APIError(e.status, str(e), "rate_limit_error" if e.status == 429 else "overloaded_error",
+                               None, e.reason, headers={"Retry-After": _retry_after(e.retry_after_s)}) from None
+            deadline, tpot_slo = ticket.ttft_deadline, cls.tpot_slo_s
         try:
-            stream = await self.engine.add(rid, ids, params, priority, collect=not req.stream)
-        except InvalidRequestError as e:
-            raise from_invalid(e) from None
-        except EngineOverloadedError as e:
-            raise APIError(429, f"the server is overloaded: {e}", "server_overloaded", None, "engine_overloaded",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        try:
-            if req.stream:
-                return await self._stream(request, req, rid, stream)
-            return await self._collect(req, rid, stream)
+            try:
+                stream = await self.engine.add(rid, ids, params, priority or 0, collect=not req.stream,
+                                               ttft_deadline=deadline, tpot_slo_s=tpot_slo)
+            except InvalidRequestError as e:
+                raise from_invalid(e) from None
+            except EngineOverloadedError as e:
+                raise APIError(429, f"the server is overloaded: {e}", "server_overloaded", None, "engine_overloaded",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            try:
+                if req.stream:
+                    return await self._stream(request, req, rid, stream)
+                return await self._collect(req, rid, stream)
+            finally:
+                if not stream.finished:  # the client went away (handler cancelled or write failed)
+                    self.engine.abort(rid)
         finally:
-            if not stream.finished:  # the client went away (handler cancelled or write failed)
-                self.engine.abort(rid)
+            if self.admission is not None:  # a no-op when the engine's finish already released it
+                self.admission.release(rid)
 
     def _prompt_ids(self, req: GenerateRequest) -> list[int]:
         tok = self.engine.tokenizer
@@ -240,7 +263,10 @@ class OpenAIServer:
         return web.json_response({"status": "ok"})
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        body = self.metrics.render()
+        if self.admission is not None:
+            body += self.admission.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     async def state(self, request: web.Request) -> web.Response:
         """The engine's latest EngineStats plus what the server holds (for routers and admission)."""
@@ -294,6 +320,11 @@ async def _json_body(request: web.Request):
         raise bad_request(f"the request body is not valid JSON: {e}") from None
 
 
+def _retry_after(seconds: float) -> str:
+    """Retry-After is whole seconds (RFC 9110); at least 1."""
+    return str(max(1, int(-(-seconds // 1))))
+
+
 def _usage(out: RequestOutput) -> dict:
     n = len(out.output_token_ids)
     return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": n,
@@ -303,24 +334,30 @@ def _usage(out: RequestOutput) -> dict:
 
 def create_app(engine, *, api_key: str | None = None, served_model_names: list[str] | None = None,
                max_pending: int = 4096, enable_prefix_caching: bool = True,
-               stream_interval: int = 1) -> web.Application:
+               stream_interval: int = 1, admission: ServerAdmissionConfig | None = None,
+               step_budget=None) -> web.Application:
     """An aiohttp app serving `engine` (an LLMEngine or anything with its interface). The engine thread
-    starts with the app and stops at its cleanup."""
+    starts with the app and stops at its cleanup. `admission`: the SLO classes and admission policy
+    (default: the router's default classes, leading-indicator admission)."""
     names = list(served_model_names or [engine.model_name])
     holder: dict = {}
     metrics = ServerMetrics(names[0], engine.max_model_len,
                             lambda: (holder["engine"].stats(), holder["engine"].num_pending()),
                             enable_prefix_caching=enable_prefix_caching)
+    gate = ServerAdmission(engine, admission or ServerAdmissionConfig())
     async_engine = holder["engine"] = AsyncEngine(engine, metrics, max_pending=max_pending,
-                                                  stream_interval=stream_interval)
-    server = OpenAIServer(async_engine, metrics, names, api_key, getattr(engine, "kv_capacity_tokens", None))
+                                                  stream_interval=stream_interval, step_budget=step_budget,
+                                                  on_progress=gate.progress)
+    server = OpenAIServer(async_engine, metrics, names, api_key, getattr(engine, "kv_capacity_tokens", None), gate)
     app = web.Application(middlewares=[server.errors, server.auth], client_max_size=MAX_BODY_BYTES)
     app[SERVER_KEY] = server
 
     async def start(_app):
         async_engine.start()
+        await gate.start()
 
     async def stop(_app):
+        await gate.close()
         await async_engine.shutdown()
 
     app.on_startup.append(start)

@@ -10,7 +10,13 @@ non-streaming request costs the event loop nothing until it is done (every threa
 costs the engine time on a loaded machine).
 
 Latencies (TTFT, inter-token, end-to-end) are measured in the engine thread right after each step, from
-the request's arrival at the server; the engine itself has no clock.
+the request's arrival at the server; the engine itself has no clock. The thread passes `now`
+(time.perf_counter, the clock of the TTFT deadlines given to `add`) to each step, and a token budget sized
+by the step-time model (engine/step_budget.py) to the tightest TPOT SLO among the requests decoding.
+
+`on_progress(first_token_ids, finished)` (optional) is called in the event loop once per step that had a
+first token or a finish (with the outputs of that step): how the server's admission control learns
+without a call per token.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 from tokenmill.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.step_budget import StepBudget
 from tokenmill.errors import EngineOverloadedError
 
 log = logging.getLogger("tokenmill.server")
@@ -114,6 +121,8 @@ class _Add:
     priority: int
     track: _Track
     future: asyncio.Future
+    ttft_deadline: float | None = None  # time.perf_counter() clock
+    tpot_slo_s: float | None = None
 
 
 @dataclass
@@ -133,8 +142,11 @@ class _Shared:
 class AsyncEngine:
     """Wraps an LLMEngine (or anything with its interface). Start with `start()` from inside the loop."""
 
-    def __init__(self, engine, metrics=None, max_pending: int = 4096, stream_interval: int = 1):
+    def __init__(self, engine, metrics=None, max_pending: int = 4096, stream_interval: int = 1,
+                 step_budget: StepBudget | None = None, on_progress=None):
         self.engine = engine
+        self.step_budget = step_budget or StepBudget()
+        self.on_progress = on_progress  # (first_token_ids, [(request_id, tokens generated)]) in the loop
         self.metrics = metrics  # ServerMetrics or None; thread-safe (prometheus_client)
         self.max_pending = max_pending  # adds queued for the engine thread at most (beyond: overloaded)
         self.stream_interval = max(1, stream_interval)  # streaming: send every N tokens (first and last at once)
@@ -173,17 +185,19 @@ class AsyncEngine:
 
     # -- loop side --------------------------------------------------------------------------------
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  priority: int = 0, collect: bool = False) -> RequestStream:
+                  priority: int = 0, collect: bool = False, ttft_deadline: float | None = None,
+                  tpot_slo_s: float | None = None) -> RequestStream:
         """Hand a request to the engine. Raises InvalidRequestError / EngineOverloadedError from add_request;
         cancelling the caller while it waits aborts the request. With `collect`, the stream yields only the
-        final output (new_text: the whole text; new_logprobs: every token's)."""
+        final output (new_text: the whole text; new_logprobs: every token's). `ttft_deadline` is on the
+        time.perf_counter() clock."""
         if self._pending_adds >= self.max_pending:
             raise EngineOverloadedError(f"{self._pending_adds} requests are already queued; retry later")
         stream = self._streams[request_id] = RequestStream(request_id)
         track = _Track(time.perf_counter(), params.max_tokens, len(prompt_token_ids), collect)
         future = self._loop.create_future()
         self._pending_adds += 1
-        self._send(_Add(request_id, prompt_token_ids, params, priority, track, future))
+        self._send(_Add(request_id, prompt_token_ids, params, priority, track, future, ttft_deadline, tpot_slo_s))
         try:
             await future
         except asyncio.CancelledError:
@@ -222,7 +236,13 @@ class AsyncEngine:
         else:
             future.set_exception(error)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput], firsts: list[str] = (),
+                 finished: list[tuple[str, int]] = ()) -> None:
+        if (firsts or finished) and self.on_progress is not None:
+            try:
+                self.on_progress(firsts, finished)
+            except Exception:  # noqa: BLE001 - bookkeeping must not stop the outputs
+                log.exception("on_progress failed")
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted by the client meanwhile
@@ -269,16 +289,20 @@ class AsyncEngine:
             return
         error = None
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority)
+            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority,
+                                    ttft_deadline=cmd.ttft_deadline, tpot_slo_s=cmd.tpot_slo_s)
             self._live[cmd.request_id] = cmd.track
         except Exception as e:  # noqa: BLE001 - InvalidRequestError / EngineOverloadedError / anything: to caller
             error = e
         self._loop.call_soon_threadsafe(self._add_done, cmd.future, error)
 
     def _step(self) -> None:
+        eng = self.engine
+        budget = self.step_budget.token_budget(eng.num_decoding(), eng.tightest_tpot_slo_s(),
+                                               eng.config.max_num_batched_tokens)
         t0 = time.perf_counter()
         try:
-            outputs = self.engine.step()
+            outputs = eng.step(now=t0, token_budget=budget)
         except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
             log.exception("engine.step() failed; failing %d request(s) in flight", len(self._live))
             self.error_count += 1
@@ -290,16 +314,19 @@ class AsyncEngine:
         finally:
             now = time.perf_counter()
             self.step_seconds += now - t0
+        self.step_budget.observe(eng.last_step_decodes, eng.last_step_prefill_tokens, now - t0)
         for rid in self.engine.last_first_scheduled:  # scheduled at the start of the step
             track = self._live.get(rid)
             if track is not None and track.scheduled_at is None:
                 track.scheduled_at = t0
         self._stats = self.engine.stats()  # before the outputs reach clients: their counters include this step
-        deliver = []
+        deliver, firsts, finished = [], [], []
         for out in outputs:
             track = self._live.get(out.request_id)
             if track is None:
                 continue
+            if track.first_token_at is None and out.new_token_ids:
+                firsts.append(out.request_id)
             self._observe_tokens(track, len(out.new_token_ids), now)
             if not track.collect:
                 track.held.append(out)
@@ -312,9 +339,10 @@ class AsyncEngine:
             if out.finished:
                 if track.collect:
                     deliver.append(replace(out, new_text=out.text, new_logprobs=track.logprobs or None))
+                finished.append((out.request_id, track.num_generated))
                 self._finished(out.request_id, out.finish_reason or "stop", now)
-        if deliver:
-            self._loop.call_soon_threadsafe(self._deliver, deliver)
+        if deliver or (self.on_progress is not None and (firsts or finished)):
+            self._loop.call_soon_threadsafe(self._deliver, deliver, firsts, finished)
 
     def _observe_tokens(self, track: _Track, n: int, now: float) -> None:
         if not n:

@@ -3,6 +3,12 @@
     tokenmill serve                                  # the shipped demo model on http://127.0.0.1:8000
     tokenmill serve --model /path/to/hf-dir --port 8001 --kv-cache-bytes 2GiB --max-model-len 4096
     TOKENMILL_API_KEY=secret tokenmill serve         # /v1/* then requires "Authorization: Bearer secret"
+    tokenmill serve --slo agent:ttft=2000,tpot=250   # admission control: refuse (429) what would miss its SLO
+    tokenmill serve --admission off                  # behind `tokenmill route` (the router admits), or to compare
+
+Admission control (tokenmill/server/admission.py): each request belongs to a workload class (header
+x-tokenmill-class or body field "workload_class", else --default-class) with TTFT/TPOT SLOs; a request
+predicted to miss its class's TTFT SLO is held briefly or refused with 429 + Retry-After.
 """
 
 from __future__ import annotations
@@ -32,8 +38,54 @@ def add_parser(sub) -> None:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="SSE: send every N tokens (the first and the last at once); >1 trades streaming "
                         "granularity for throughput (default: %(default)s)")
+    p.add_argument("--admission", default="leading", choices=["leading", "lagging", "off"],
+                   help="admission control: leading (predicted TTFT from queued uncached prefill), lagging "
+                        "(observed latency; a baseline), off (default: %(default)s)")
+    p.add_argument("--slo", action="append", default=[], metavar="CLASS:ttft=MS,tpot=MS",
+                   help="a workload class's SLOs (repeatable; CLASS may be * for all). Defaults: "
+                        + ", ".join(f"{c.name} ttft={c.ttft_slo_s * 1000:g} tpot={c.tpot_slo_s * 1000:g}"
+                                    for c in _default_classes()))
+    p.add_argument("--default-class", default="interactive",
+                   help="class of requests that name none (default: %(default)s)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
+
+
+def _default_classes():
+    from tokenmill.router.classes import DEFAULT_CLASSES
+
+    return DEFAULT_CLASSES
+
+
+def admission_config_from_args(args):
+    """--admission, --slo, --default-class -> ServerAdmissionConfig (CLIError on a bad value)."""
+    import dataclasses
+
+    from tokenmill.bench.slo import parse_slo
+    from tokenmill.cli import CLIError
+    from tokenmill.router.admission import AdmissionConfig
+    from tokenmill.server.admission import ServerAdmissionConfig
+
+    classes = {c.name: c for c in _default_classes()}
+    for spec in args.slo:
+        name, bounds = parse_slo(spec)
+        if bounds.get("e2e_ms") is not None:
+            raise CLIError(f"--slo {spec!r}: admission knows ttft and tpot only (e2e is a benchmark bound)")
+        targets = list(classes) if name == "*" else [name]
+        for n in targets:
+            if n not in classes:
+                raise CLIError(f"--slo {spec!r}: unknown workload class {n!r}; choose from {', '.join(classes)}")
+            change = {}
+            for key, field in (("ttft_ms", "ttft_slo_s"), ("tpot_ms", "tpot_slo_s")):
+                if key in bounds:
+                    if bounds[key] is None:
+                        raise CLIError(f"--slo {spec!r}: admission needs a finite {key[:4]}")
+                    change[field] = bounds[key] / 1000.0
+            classes[n] = dataclasses.replace(classes[n], **change)
+    if args.default_class not in classes:
+        raise CLIError(f"--default-class {args.default_class!r}: choose from {', '.join(classes)}")
+    return ServerAdmissionConfig(classes=tuple(classes.values()), default_class=args.default_class,
+                                 admission=AdmissionConfig(mode=args.admission))
 
 
 def run(args) -> int:
@@ -54,6 +106,7 @@ def run(args) -> int:
         config = engine_config_from_args(args)
     except TokenmillError as e:
         raise CLIError(str(e)) from None
+    admission = admission_config_from_args(args)
     engine = LLMEngine(config)  # ModelLoadError: printed as one line by tokenmill.cli
     names = args.served_model_name or [engine.model_name]
     alias = os.path.basename(os.path.normpath(args.model))
@@ -61,11 +114,15 @@ def run(args) -> int:
         names.append(alias)
     app = create_app(engine, api_key=args.api_key, served_model_names=names,
                      max_pending=config.max_waiting_requests, enable_prefix_caching=config.enable_prefix_caching,
-                     stream_interval=args.stream_interval)
+                     stream_interval=args.stream_interval, admission=admission)
 
     def ready(url: str) -> None:
         print(f"tokenmill serve: model {names[0]!r} (max_model_len {engine.max_model_len}) at {url}/v1", flush=True)
         print(f"tokenmill serve: {engine.describe()}; API key {'required' if args.api_key else 'off'}", flush=True)
+        slos = "; ".join(f"{c.name} ttft {c.ttft_slo_s * 1000:g} ms tpot {c.tpot_slo_s * 1000:g} ms"
+                         for c in admission.classes)
+        print(f"tokenmill serve: admission {admission.admission.mode} (default class {admission.default_class}; "
+              f"{slos})", flush=True)
 
     try:
         asyncio.run(serve(app, args.host, args.port, ready))

@@ -122,7 +122,8 @@ class GenerateRequest:
     logprobs: int | None = None  # None: off; k: sampled token + top-k alternatives
     stream: bool = False
     include_usage: bool = False
-    priority: int | None = None  # lower is served first; None: the x-tokenmill-priority header, else 0
+    priority: int | None = None  # lower is served first; None: the x-tokenmill-priority header, else the class's
+    workload_class: str | None = None  # the admission class (the x-tokenmill-class header wins)
     user: str | None = None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -165,6 +166,7 @@ def _common(body: Any, kind: str) -> dict:
         stream=stream,
         include_usage=include_usage,
         priority=_get(body, "priority", int),
+        workload_class=_get(body, "workload_class", str),
         user=_get(body, "user", str),
     )
 

@@ -6,7 +6,7 @@ No clock, no I/O: the simulator drives this same code with a virtual clock.
 from __future__ import annotations
 
 from tokenmill.engine.kv.block_pool import BlockPool, KVBlock
-from tokenmill.engine.kv.hashing import block_hashes
+from tokenmill.engine.kv.hashing import ROOT_HASH, block_hashes, hash_block
 from tokenmill.engine.request import Request
 
 
@@ -43,6 +43,23 @@ class KVCacheManager:
                 break
             hits.append(b)
         return hits, len(hits) * bs
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of a prompt the prefix cache holds now, in whole blocks (the last token
+        excluded: it is always recomputed). An estimate for admission control: it takes no reference (the
+        blocks may be evicted before the request is scheduled) and only reads the cache's dict and block
+        fields, so another thread may call it while the engine steps (a block changing under it is a miss)."""
+        if not self.enable_caching or len(token_ids) < 2:
+            return 0
+        bs, n = self.block_size, 0
+        parent = ROOT_HASH
+        for i in range((len(token_ids) - 1) // bs):
+            toks = token_ids[i * bs:(i + 1) * bs]
+            parent = hash_block(parent, toks)
+            if self.pool.lookup(parent, toks) is None:
+                break
+            n += bs
+        return n
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries_tokens += num_query_tokens

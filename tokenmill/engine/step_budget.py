@@ -1,0 +1,86 @@
+"""How many tokens a step may batch so that the requests decoding in it keep their TPOT.
+
+A decoding request gets one token per step, so its TPOT is the step time. A step that also carries a long
+prefill chunk is slower for every decoder in it: with a 2048-token budget on a CPU one such step can take
+longer than a whole interactive TPOT SLO. The step-time model, fitted online from the steps the engine
+ran,
+
+    step_s ≈ base_s + decode_s · decode_seqs + prefill_s · prefill_tokens
+
+gives the prefill tokens that fit in `headroom` x the tightest TPOT SLO among the requests decoding:
+
+    prefill_tokens = (headroom · tpot_slo_s - base_s - decode_s · decode_seqs) / prefill_s
+
+floored at `min_prefill_tokens` (prefill must progress even when decodes alone fill the budget: the
+admission control, not the chunk size, is what keeps that from lasting). No SLO among the decoders: the
+configured maximum. The model is exponentially-forgetting least squares over (1, decode_seqs,
+prefill_tokens) with a weak prior; nothing here reads a clock (the caller measures the step and calls
+`observe`), so a simulator can drive it with modelled step times.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepBudgetConfig:
+    enabled: bool = True
+    headroom: float = 0.8  # a step may use this share of the tightest TPOT SLO among the decoders
+    min_prefill_tokens: int = 32  # prefill tokens a step may always carry
+    decay: float = 0.98  # per observed step: memory ~50 steps
+    prior_weight: float = 2.0  # in steps
+    prior_base_s: float = 0.005
+    prior_decode_s: float = 0.0005
+    prior_prefill_s: float = 0.0001
+
+    def __post_init__(self):
+        if not 0 < self.headroom <= 1:
+            raise ValueError(f"step budget headroom must be in (0, 1], got {self.headroom}")
+        if self.min_prefill_tokens < 1:
+            raise ValueError(f"step budget min_prefill_tokens must be >= 1, got {self.min_prefill_tokens}")
+        if not 0 < self.decay < 1 or self.prior_weight <= 0:
+            raise ValueError("step budget needs decay in (0, 1) and prior_weight > 0")
+
+
+class StepBudget:
+    def __init__(self, cfg: StepBudgetConfig | None = None):
+        self.cfg = c = cfg or StepBudgetConfig()
+        prior = np.array([c.prior_base_s, c.prior_decode_s, c.prior_prefill_s])
+        # the prior as pseudo-observations: one step of each pure kind at typical sizes
+        xs = np.array([[1.0, 0.0, 0.0], [1.0, 16.0, 0.0], [1.0, 0.0, 512.0]])
+        self._a = c.prior_weight * sum(np.outer(x, x) for x in xs)
+        self._b = c.prior_weight * sum(x * float(x @ prior) for x in xs)
+        self.coef = prior.copy()
+        self.samples = 0
+
+    def observe(self, decode_seqs: int, prefill_tokens: int, seconds: float) -> None:
+        """One step ran `decode_seqs` decode tokens and `prefill_tokens` prompt tokens in `seconds`."""
+        if not (seconds > 0 and math.isfinite(seconds)) or decode_seqs + prefill_tokens <= 0:
+            return
+        x = np.array([1.0, float(decode_seqs), float(prefill_tokens)])
+        d = self.cfg.decay
+        self._a = d * self._a + np.outer(x, x)
+        self._b = d * self._b + x * seconds
+        try:
+            coef = np.linalg.solve(self._a, self._b)
+        except np.linalg.LinAlgError:
+            return
+        self.coef = np.maximum(coef, [0.0, 0.0, 1e-7])  # a step never gets cheaper with more work
+        self.samples += 1
+
+    def predict_s(self, decode_seqs: int, prefill_tokens: int) -> float:
+        base, per_decode, per_prefill = self.coef
+        return float(base + per_decode * decode_seqs + per_prefill * prefill_tokens)
+
+    def token_budget(self, decode_seqs: int, tpot_slo_s: float | None, max_tokens: int) -> int:
+        """Tokens (decodes included) the next step may batch."""
+        if not self.cfg.enabled or tpot_slo_s is None:
+            return max_tokens
+        base, per_decode, per_prefill = self.coef
+        room_s = self.cfg.headroom * tpot_slo_s - base - per_decode * decode_seqs
+        prefill = int(room_s / per_prefill) if room_s > 0 else 0
+        return min(max_tokens, decode_seqs + max(self.cfg.min_prefill_tokens, prefill))

@@ -1,0 +1,144 @@
+"""Admission control inside `tokenmill serve`: the router's classes and pure admission policy, with the
+server's own engine as the one worker.
+
+    cls = admission.workload_class(header, body_field)     # x-tokenmill-class / "workload_class", else default
+    ticket = await admission.acquire(rid, cls, ids, max_tokens)   # admit, hold in the class queue, or Refused
+    engine.add(..., priority=cls.priority, ttft_deadline=ticket.ttft_deadline, tpot_slo_s=cls.tpot_slo_s)
+    admission.progress(first_token_ids, finished)          # once per engine step (AsyncEngine.on_progress)
+    admission.release(rid)                                 # the handler's end, whatever happened
+
+One implementation, two callers: this is `router.Router` (class queues, hold/refuse/admit, learned
+prefill and TPOT fits, TTFT calibration, error band and miss-rate margin, metrics) over a pool holding a
+single worker — the engine — and `router.admission.admit` decides on the same `RouteSnapshot`. What the
+server knows better than a router replaces the router's estimates: the cached prefix of a new request is
+looked up in the engine's own prefix cache (exact block hashes, not the router's character-chunk index),
+and all work on the engine went through this admission (no external queue to guess at). Its metrics are
+the router's series named `tokenmill_admission_*`.
+
+The leading indicator is the router's: the predicted TTFT of the new request = calibration x (overhead x
+(pending prefills + 1) + (uncached prompt tokens pending + its own uncached tokens) / learned prefill
+rate), and the predicted TPOT = base + per-stream x (decode streams + 1); refused (429 + Retry-After from
+the predicted excess) when even the optimistic end of the prediction misses the class's TTFT budget.
+
+The clock is `time.perf_counter` (the engine thread passes it to `step(now=...)`), so the TTFT deadline
+each admitted request carries into the engine's EDF ordering is on the same clock.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.router.admission import AdmissionConfig
+from tokenmill.router.classes import CLASS_HEADER, DEFAULT_CLASSES, WorkloadClass
+from tokenmill.router.config import RouterConfig
+from tokenmill.router.prompt import PromptKey
+from tokenmill.router.rates import RatePriors
+from tokenmill.router.router import Refused, RequestCtx, Router
+from tokenmill.router.worker_state import InFlight, WorkerSpec, WorkerState
+
+LOCAL_WORKER = "http://engine.local"  # the pseudo-worker's name in the admission metrics (worker label)
+CLASS_FIELD = "workload_class"  # the request-body field naming the class (the header wins)
+
+
+@dataclass(frozen=True)
+class ServerAdmissionConfig:
+    classes: tuple[WorkloadClass, ...] = DEFAULT_CLASSES
+    default_class: str = "interactive"
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    rate_priors: RatePriors = field(default_factory=RatePriors)
+    max_in_flight: int = 4096  # held + admitted, then 503
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(policy="round-robin", classes=self.classes, default_class=self.default_class,
+                            admission=self.admission, rate_priors=self.rate_priors, max_in_flight=self.max_in_flight)
+
+
+@dataclass
+class ServerCtx(RequestCtx):
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Ticket:
+    ctx: ServerCtx
+    flight: InFlight
+    ttft_deadline: float  # arrival + the class's TTFT SLO (perf_counter clock)
+
+
+class _EngineRouter(Router):
+    """The router over one worker, the engine: prefix hits come from the engine's own cache."""
+
+    def __init__(self, cfg: RouterConfig, engine, clock):
+        super().__init__(cfg, clock, metrics_prefix="tokenmill_admission_")
+        self.engine = engine
+        self.worker = self.add_worker(WorkerSpec(LOCAL_WORKER, "tokenmill"))
+        self.worker.healthy = True
+
+    def cached_prefix(self, ctx: RequestCtx, w: WorkerState, now: float) -> tuple[int, int]:
+        lookup = getattr(self.engine, "cached_prefix_tokens", None)
+        if lookup is None or not isinstance(ctx, ServerCtx):
+            return 0, 0
+        return max(0, min(lookup(ctx.token_ids), ctx.prompt_tokens - 1)), 0
+
+    def remember(self, url: str, ctx: RequestCtx, now: float) -> None:
+        pass  # the engine's cache is the index
+
+
+class ServerAdmission:
+    def __init__(self, engine, cfg: ServerAdmissionConfig | None = None, clock=time.perf_counter):
+        self.cfg = cfg or ServerAdmissionConfig()
+        self.clock = clock
+        self.router = _EngineRouter(self.cfg.router_config(), engine, clock)
+        self.classes = self.router.classes
+        self._tickets: dict[str, Ticket] = {}
+        self._seq = 0
+
+    @property
+    def metrics(self):
+        return self.router.metrics
+
+    async def start(self) -> None:
+        await self.router.start()
+
+    async def close(self) -> None:
+        await self.router.close()
+
+    def workload_class(self, header: str | None, body_value=None) -> WorkloadClass:
+        """The request's class: the x-tokenmill-class header, else the body's `workload_class`, else the default."""
+        name = header if header is not None else body_value
+        if name is None:
+            name = self.cfg.default_class
+        if not isinstance(name, str) or name not in self.classes:
+            raise InvalidRequestError(f"unknown workload class {name!r:.60}; choose from {', '.join(self.classes)}",
+                                      param=CLASS_HEADER if header is not None else CLASS_FIELD)
+        return self.classes[name]
+
+    async def acquire(self, request_id: str, cls: WorkloadClass, token_ids: list[int], max_tokens: int) -> Ticket:
+        """Admit now, or hold in the class queue until admitted; raises router.Refused (429/503)."""
+        r = self.router
+        if len(self._tickets) + sum(r.queues.depths().values()) >= self.cfg.max_in_flight:
+            r.metrics.rejections.labels(cls.name, "overloaded").inc()
+            raise Refused("overloaded", 1.0, f"the server has {self.cfg.max_in_flight} requests in flight")
+        self._seq += 1
+        ctx = ServerCtx(request_id, cls, PromptKey((), True, len(token_ids), 1), len(token_ids), self.clock(),
+                        self._seq, max_tokens, token_ids=token_ids)
+        flight = await r.acquire(ctx)
+        ticket = self._tickets[request_id] = Ticket(ctx, flight, ctx.arrival_s + cls.ttft_slo_s)
+        return ticket
+
+    def progress(self, first_token_ids, finished) -> None:
+        """Once per engine step: requests that got their first token, and those that finished (id, tokens)."""
+        for rid in first_token_ids:
+            t = self._tickets.get(rid)
+            if t is not None and t.flight.first_token_s is None:
+                self.router.first_token(t.ctx, t.flight)
+        for rid, n in finished:
+            self.release(rid, n)
+
+    def release(self, request_id: str, output_tokens: int = 0) -> None:
+        """The request ended (finished, failed, aborted, refused by the engine): its work leaves the books."""
+        t = self._tickets.pop(request_id, None)
+        if t is not None:
+            self.router.finish(t.ctx, t.flight, output_tokens, None)
