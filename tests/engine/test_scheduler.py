@@ -24,8 +24,8 @@ class FakeEngine:
         self.s.add(r)
         return r
 
-    def step(self):
-        out = self.s.schedule()
+    def step(self, **kw):
+        out = self.s.schedule(**kw)
         self.log.append(out)
         for seq in out.seqs:
             if seq.num_logits:
@@ -144,3 +144,104 @@ def test_shared_prefix_hits_counted(caching):
     # b = a's 12 tokens + 2 more: a's 3 full blocks hit (b's own first 13 tokens cover 3 full blocks)
     assert e.kv.prefix_hits_tokens == (12 if caching else 0)
     assert e.kv.prefix_queries_tokens == 12 + 14
+
+
+# -- TTFT deadlines and per-step token budgets (issue 17) ------------------------------------------
+def add_dl(e, rid, n_prompt, deadline, priority=0, base=0, tpot=None, max_tokens=3):
+    r = Request(rid, list(range(base, base + n_prompt)), SamplingParams(max_tokens=max_tokens), priority=priority,
+                ttft_deadline=deadline, tpot_slo_s=tpot)
+    e.s.add(r)
+    return r
+
+
+def first_admitted(out):
+    return [s.request_id for s in out.seqs]
+
+
+def test_earliest_deadline_first_within_a_priority_level():
+    e = FakeEngine(budget=8, max_seqs=1)
+    add_dl(e, "late-deadline", 4, deadline=10.0, base=0)
+    add_dl(e, "early-deadline", 4, deadline=5.0, base=100)
+    add_dl(e, "high-priority", 4, deadline=50.0, priority=-1, base=200)
+    order = []
+    for _ in range(20):
+        out = e.s.schedule(now=0.0)
+        for s in out.seqs:
+            if s.request_id not in order:
+                order.append(s.request_id)
+        for s in out.seqs:  # finish whatever ran: one request at a time (max_seqs=1)
+            e.s.finish(e.s.requests[s.request_id], RequestStatus.FINISHED_LENGTH)
+        if not e.s.has_unfinished():
+            break
+    assert order == ["high-priority", "early-deadline", "late-deadline"]
+
+
+def test_no_deadlines_is_fcfs():
+    e = FakeEngine(budget=4, max_seqs=1)
+    for i in range(3):
+        e.add(f"r{i}", 4, base=100 * i)
+    order = []
+    while e.s.has_unfinished():
+        out = e.s.schedule(now=123.0)
+        for s in out.seqs:
+            order.append(s.request_id)
+            e.s.finish(e.s.requests[s.request_id], RequestStatus.FINISHED_LENGTH)
+    assert order == ["r0", "r1", "r2"]
+
+
+def test_a_request_past_its_deadline_yields_to_one_that_can_still_make_it():
+    e = FakeEngine(budget=8, max_seqs=1)
+    add_dl(e, "missed", 4, deadline=1.0, base=0)  # earliest deadline, but already past at now=2
+    add_dl(e, "on-time", 4, deadline=3.0, base=100)
+    add_dl(e, "lower-priority", 4, deadline=2.5, priority=1, base=200)
+    order = []
+    while e.s.has_unfinished():
+        out = e.s.schedule(now=2.0)
+        assert e.s.num_waiting == len(e.s.waiting_requests())
+        for s in out.seqs:
+            order.append(s.request_id)
+            e.s.finish(e.s.requests[s.request_id], RequestStatus.FINISHED_LENGTH)
+    # the missed one goes after every on-time request of its priority level, not after lower priorities
+    assert order == ["on-time", "missed", "lower-priority"]
+    assert e.s.num_late == 0 and e.s.num_waiting == 0
+
+
+def test_a_preempted_request_that_already_streamed_is_never_late():
+    r = Request("x", [1, 2, 3], SamplingParams(), ttft_deadline=1.0)
+    assert r.late(2.0) and not r.late(0.5) and not r.late(None)
+    r.append_output(5)
+    assert not r.late(2.0)
+
+
+def test_late_requests_can_be_aborted_and_counted():
+    e = FakeEngine(budget=8, max_seqs=1)
+    add_dl(e, "a", 4, deadline=0.5, base=0)
+    add_dl(e, "b", 4, deadline=0.6, base=100)
+    e.s.schedule(now=1.0)  # a admitted (late, but nothing on time is waiting); b demoted
+    assert e.s.num_late == 1
+    e.s.finish(e.s.requests["b"], RequestStatus.FINISHED_ABORTED)
+    assert e.s.num_late == 0 and e.s.num_waiting == 0
+
+
+def test_token_budget_caps_the_step_but_never_starves_decodes():
+    e = FakeEngine(budget=64, max_seqs=8)
+    for i in range(3):
+        e.add(f"d{i}", 4, max_tokens=20, base=100 * i)
+    e.step()  # all three prefilled
+    e.add("big", 40, base=1000)
+    out = e.step(token_budget=10)
+    toks = {s.request_id: len(s.token_ids) for s in out.seqs}
+    assert toks == {"d0": 1, "d1": 1, "d2": 1, "big": 7} and out.num_batched_tokens == 10
+    out = e.step(token_budget=1)  # below the decodes: each decode still gets its token, +1 prefill
+    toks = {s.request_id: len(s.token_ids) for s in out.seqs}
+    assert toks == {"d0": 1, "d1": 1, "d2": 1, "big": 1}
+
+
+def test_tightest_tpot_slo_counts_only_decoding_requests():
+    e = FakeEngine(budget=64, max_seqs=8)
+    add_dl(e, "slow", 4, deadline=float("inf"), tpot=0.5, max_tokens=10)
+    e.step()
+    assert e.s.tightest_tpot_slo_s() == 0.5 and e.s.num_decoding() == 1
+    add_dl(e, "prefilling", 200, deadline=float("inf"), tpot=0.05, base=500)
+    e.step()  # "prefilling" gets a chunk only (budget 64 of 200): not decoding yet
+    assert e.s.tightest_tpot_slo_s() == 0.5

@@ -1,0 +1,208 @@
+"""Admission control inside the server (issue 17): the router's classes and admit() over the engine.
+
+The fake engine prefills at a known cost per token under a per-step token budget, so an overload is an
+overload on any machine; the real-engine test scales its load by a measured solo request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenmill.router.admission import AdmissionConfig
+from tokenmill.router.classes import DEFAULT_CLASSES, WorkloadClass
+from tokenmill.server.admission import ServerAdmissionConfig
+
+from .fake_engine import FakeEngine
+
+C = "/v1/completions"
+
+
+def classes(**interactive):
+    base = {c.name: c for c in DEFAULT_CLASSES}
+    base["interactive"] = WorkloadClass(**{**base["interactive"].__dict__, **interactive})
+    return tuple(base.values())
+
+
+async def stream_ttft(http, url, prompt, headers=None, max_tokens=4, body_extra=None):
+    """(status, TTFT seconds or None, Retry-After header, error code)."""
+    t0 = time.perf_counter()
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True, **(body_extra or {})}
+    async with http.post(url + C, json=body, headers=headers or {}) as r:
+        if r.status != 200:
+            err = await r.json()
+            return r.status, None, r.headers.get("Retry-After"), err["error"].get("code")
+        ttft = None
+        async for line in r.content:
+            if ttft is None and line.startswith(b"data: {"):
+                ttft = time.perf_counter() - t0
+        return 200, ttft, None, None
+
+
+def burst(url, n, interval_s, prompt_len, seed=0, headers=None, **kw):
+    rng = random.Random(seed)
+
+    async def main():
+        async with aiohttp.ClientSession() as http:
+            async def one(i):
+                await asyncio.sleep(i * interval_s)
+                prompt = [rng.randrange(10, 4000) for _ in range(prompt_len)]
+                return await stream_ttft(http, url, prompt, headers, **kw)
+
+            return await asyncio.gather(*(one(i) for i in range(n)))
+
+    return asyncio.run(main())
+
+
+def metric_samples(server, name):
+    text = server.request("GET", "/metrics")[2]
+    return [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+
+
+def slow_fake():
+    # 300 uncached tokens cost 60 ms of prefill: ~15 such requests per second at most
+    return FakeEngine(step_s=0.004, prefill_s_per_token=0.0002, max_num_batched_tokens=256, max_model_len=1024)
+
+
+def test_overload_gets_429_with_retry_after_and_accepted_requests_meet_their_slo(make_server):
+    slo = 0.5
+    s = make_server(slow_fake(), admission=ServerAdmissionConfig(classes=classes(ttft_slo_s=slo, max_wait_s=0.2)))
+    results = burst(s.url, 80, 0.02, 300)  # 50 req/s offered: > 3x capacity
+    ok = [ttft for st, ttft, _, _ in results if st == 200]
+    refused = [(ra, code) for st, _, ra, code in results if st == 429]
+    assert len(ok) + len(refused) == 80, results
+    assert len(refused) >= 20 and len(ok) >= 15, (len(ok), len(refused))
+    assert all(ra is not None and int(ra) >= 1 for ra, _ in refused)
+    assert {code for _, code in refused} <= {"slo", "deadline", "queue-full"}
+    met = sum(t <= slo for t in ok) / len(ok)
+    assert met >= 0.9, sorted(ok)
+    # every refusal is counted once, by class and reason; every admitted request too
+    rej = metric_samples(s, "tokenmill_admission_rejections_total")
+    assert sum(x.value for x in rej if x.labels["class"] == "interactive") == len(refused)
+    adm = metric_samples(s, "tokenmill_admission_admitted_total")
+    assert sum(x.value for x in adm if x.labels["class"] == "interactive") == len(ok)
+    err = metric_samples(s, "tokenmill_admission_ttft_prediction_relative_error_count")
+    assert sum(x.value for x in err) == len(ok)  # predicted vs actual, per first token
+    assert metric_samples(s, "tokenmill_admission_ttft_deadline_misses_total") is not None
+
+    # the same overload without admission: everything is served, most of it late
+    off = make_server(slow_fake(), admission=ServerAdmissionConfig(
+        classes=classes(ttft_slo_s=slo, max_wait_s=0.2), admission=AdmissionConfig(mode="off")))
+    results = burst(off.url, 80, 0.02, 300)
+    assert all(st == 200 for st, *_ in results)
+    met_off = sum(t <= slo for _, t, _, _ in results) / len(results)
+    assert met_off <= 0.5 * met, (met_off, met)
+    assert sum(x.value for x in metric_samples(off, "tokenmill_admission_ttft_deadline_misses_total")) >= 20
+
+
+def test_no_refusal_below_saturation(make_server):
+    s = make_server(slow_fake(), admission=ServerAdmissionConfig(classes=classes(ttft_slo_s=0.5)))
+    results = burst(s.url, 30, 0.15, 300)  # ~7 req/s against ~15 of capacity
+    assert [st for st, *_ in results].count(200) == 30
+    assert all(t <= 0.5 for _, t, _, _ in results)
+
+
+def test_batch_class_queues_instead_of_being_refused_and_does_not_delay_interactive(make_server):
+    s = make_server(slow_fake(), admission=ServerAdmissionConfig(classes=classes(ttft_slo_s=0.5)))
+
+    async def main():
+        async with aiohttp.ClientSession() as http:
+            rng = random.Random(3)
+
+            def prompt():
+                return [rng.randrange(10, 4000) for _ in range(300)]
+
+            batch = [asyncio.create_task(stream_ttft(http, s.url, prompt(), {"x-tokenmill-class": "batch"}))
+                     for _ in range(30)]  # 2 s of prefill arriving at once
+            await asyncio.sleep(0.3)
+            interactive = []
+            for _ in range(5):
+                interactive.append(await stream_ttft(http, s.url, prompt()))
+                await asyncio.sleep(0.1)
+            return await asyncio.gather(*batch), interactive
+
+    batch, interactive = asyncio.run(main())
+    assert all(st == 200 for st, *_ in batch), batch  # held, then served: none refused
+    assert all(st == 200 and t <= 0.5 for st, t, _, _ in interactive), interactive
+
+
+def test_class_from_header_or_body_and_unknown_class_is_a_400(fake_server):
+    st, _, body = fake_server.post(C, {"prompt": "x", "max_tokens": 1}, headers={"x-tokenmill-class": "nope"})
+    assert st == 400 and body["error"]["param"] == "x-tokenmill-class" and "interactive" in body["error"]["message"]
+    st, _, body = fake_server.post(C, {"prompt": "x", "max_tokens": 1, "workload_class": "nope"})
+    assert st == 400 and body["error"]["param"] == "workload_class"
+    st, _, body = fake_server.post(C, {"prompt": "x", "max_tokens": 1, "workload_class": 3})
+    assert st == 400
+    for extra, headers in (({"workload_class": "agent"}, {}), ({}, {"x-tokenmill-class": "agent"})):
+        assert fake_server.post(C, {"prompt": "x", "max_tokens": 1, **extra}, headers=headers)[0] == 200
+    adm = metric_samples(fake_server, "tokenmill_admission_admitted_total")
+    assert {x.labels["class"]: x.value for x in adm}.get("agent") == 2
+
+
+def test_deadline_priority_and_tpot_reach_the_engine(make_server):
+    eng = slow_fake()
+    seen = []
+    add = eng.add_request
+
+    def spy(rid, ids, params, priority=0, ttft_deadline=None, tpot_slo_s=None):
+        seen.append((priority, ttft_deadline, tpot_slo_s, time.perf_counter()))
+        return add(rid, ids, params, priority, ttft_deadline=ttft_deadline, tpot_slo_s=tpot_slo_s)
+
+    eng.add_request = spy
+    s = make_server(eng)
+    assert s.post(C, {"prompt": "x", "max_tokens": 8}, headers={"x-tokenmill-class": "agent"})[0] == 200
+    assert s.post(C, {"prompt": "x", "max_tokens": 8, "priority": 5})[0] == 200
+    (p1, d1, t1, at1), (p2, d2, t2, at2) = seen
+    agent = {c.name: c for c in DEFAULT_CLASSES}["agent"]
+    assert p1 == agent.priority and t1 == agent.tpot_slo_s and 0 < d1 - at1 <= agent.ttft_slo_s
+    assert p2 == 5 and t2 == 0.10  # an explicit priority wins over the class's; the class is interactive
+    # while a request with a TPOT SLO decodes, the engine thread sizes the step's token budget
+    assert any(b is not None for b in eng.budgets)
+
+
+def test_serve_cli_slo_flags():
+    from tokenmill.cli import CLIError
+    from tokenmill.server.cli import admission_config_from_args
+
+    def cfg(*slo, mode="leading", default="interactive"):
+        return admission_config_from_args(argparse.Namespace(slo=list(slo), admission=mode, default_class=default))
+
+    c = cfg("agent:ttft=2000,tpot=250", mode="off", default="agent")
+    agent = {x.name: x for x in c.classes}["agent"]
+    assert (agent.ttft_slo_s, agent.tpot_slo_s, c.admission.mode, c.default_class) == (2.0, 0.25, "off", "agent")
+    assert all(x.tpot_slo_s == 0.05 for x in cfg("*:tpot=50").classes)
+    for bad, match in ((["nope:ttft=1"], "unknown workload class"), (["agent:e2e=5"], "e2e"),
+                       (["agent:ttft=none"], "finite"), (["agent:speed=3"], "KEY=MS")):
+        with pytest.raises(CLIError, match=match):
+            cfg(*bad)
+    with pytest.raises(CLIError, match="default-class"):
+        cfg(default="gold")
+
+
+def test_real_engine_overload(make_server, tmp_path):
+    """The real engine on a tiny model: load scaled by a measured solo request, so it is an overload here."""
+    pytest.importorskip("tokenmill.engine.llm_engine")
+    from tokenmill.engine.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.model.make import make_model
+
+    model = make_model("tiny", tmp_path / "tiny", seed=0)
+    eng = LLMEngine(EngineConfig(model=str(model), kv_cache_bytes=64 << 20, max_model_len=1024, num_threads=1))
+    probe = make_server(eng, admission=ServerAdmissionConfig(admission=AdmissionConfig(mode="off")))
+    solo = sorted(t for _, t, _, _ in burst(probe.url, 5, 0.3, 600, seed=1))[2]
+    slo = max(10 * solo, 0.3)
+    eng2 = LLMEngine(EngineConfig(model=str(model), kv_cache_bytes=64 << 20, max_model_len=1024, num_threads=1))
+    s = make_server(eng2, admission=ServerAdmissionConfig(classes=classes(ttft_slo_s=slo, max_wait_s=slo / 2)))
+    n = 80
+    results = burst(s.url, n, solo / 4, 600, seed=2)  # ~4x what it prefills
+    ok = [t for st, t, _, _ in results if st == 200]
+    refused = [ra for st, _, ra, _ in results if st == 429]
+    assert len(ok) + len(refused) == n, results
+    assert refused and all(int(ra) >= 1 for ra in refused), (solo, len(ok))
+    assert len(ok) >= 5 and sum(t <= slo for t in ok) / len(ok) >= 0.8, (solo, slo, sorted(ok))
