@@ -135,6 +135,11 @@ def run_point(mode: str, sessions_per_s: float, args, out: Path, port: int) -> d
         if done.returncode:
             raise SystemExit(f"tokenmill bench failed ({mode}, {sessions_per_s:g}/s):\n{done.stderr[-2000:]}")
         fig = admission_figures(url) if mode != "vllm" else {}
+        if mode != "vllm":
+            import urllib.request
+
+            state = json.loads(urllib.request.urlopen(url + "/tokenmill/state", timeout=5).read())
+            fig["engine_busy_s"] = state["engine_step_seconds"]
     finally:
         stop(server)
     res = json.loads((res_dir / "result.json").read_text())
