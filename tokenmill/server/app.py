@@ -95,8 +95,9 @@ class OpenAIServer:
             try:
                 ticket = await self.admission.acquire(rid, cls, ids, max_tokens)
             except Refused as e:
-                raise APIError(e.status, str(e), "rate_limit_error" if e.status == 429 else "overloaded_error",
-                               None, e.reason, headers={"Retry-After": _retry_after(e.retry_after_s)}) from None
+                raise APIError(e.status, _refusal_message(e, cls), "rate_limit_error" if e.status == 429
+                               else "overloaded_error", None, e.reason,
+                               headers={"Retry-After": _retry_after(e.retry_after_s)}) from None
             deadline, tpot_slo = ticket.ttft_deadline, cls.tpot_slo_s
         try:
             try:
@@ -318,6 +319,15 @@ async def _json_body(request: web.Request):
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def _refusal_message(e: Refused, cls) -> str:
+    slo = f"the {cls.name!r} class's SLO (TTFT {cls.ttft_slo_s:g} s, TPOT {cls.tpot_slo_s:g} s)"
+    why = {"slo": f"the server is too busy to meet {slo} now",
+           "deadline": f"the server could not start this request in time to meet {slo}",
+           "queue-full": f"the {cls.name!r} class's queue of held requests is full"}.get(e.reason, str(e))
+    return (f"{why}; retry after {_retry_after(e.retry_after_s)} s (admission control: --admission, --slo; "
+            f"the x-tokenmill-class header picks a class with a looser SLO)")
 
 
 def _retry_after(seconds: float) -> str:
