@@ -66,7 +66,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.c = dict(queries=0, hits=0, prompt=0, gen=0, steps=0)
 
-    def add_request(self, request_id, prompt_token_ids, params, priority=0, ttft_deadline=None, tpot_slo_s=None):
+    def add_request(self, request_id, prompt_token_ids, params, priority=0, ttft_deadline=None, tpot_slo_s=None,
+                    rank=0):
         if not prompt_token_ids:
             raise InvalidRequestError("prompt must not be empty", param="prompt")
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:

@@ -150,9 +150,9 @@ def test_deadline_priority_and_tpot_reach_the_engine(make_server):
     seen = []
     add = eng.add_request
 
-    def spy(rid, ids, params, priority=0, ttft_deadline=None, tpot_slo_s=None):
+    def spy(rid, ids, params, priority=0, ttft_deadline=None, tpot_slo_s=None, rank=0):
         seen.append((priority, ttft_deadline, tpot_slo_s, time.perf_counter()))
-        return add(rid, ids, params, priority, ttft_deadline=ttft_deadline, tpot_slo_s=tpot_slo_s)
+        return add(rid, ids, params, priority, ttft_deadline=ttft_deadline, tpot_slo_s=tpot_slo_s, rank=rank)
 
     eng.add_request = spy
     s = make_server(eng)

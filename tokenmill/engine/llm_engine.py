@@ -73,10 +73,12 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    priority: int = 0, ttft_deadline: float | None = None, tpot_slo_s: float | None = None) -> None:
+                    priority: int = 0, ttft_deadline: float | None = None, tpot_slo_s: float | None = None,
+                    rank: int = 0) -> None:
         """Queue a request. `ttft_deadline` (on the clock the caller passes to `step(now=...)`) orders waiting
         requests earliest-deadline-first within a priority level and demotes them once missed;
-        `tpot_slo_s` lets the caller size steps (`tightest_tpot_slo_s`) so its decode keeps that pace."""
+        `tpot_slo_s` lets the caller size steps (`tightest_tpot_slo_s`) so its decode keeps that pace; `rank`
+        orders waiting requests within a priority level before their deadlines (lower first)."""
         params = params or SamplingParams()
         n = len(prompt_token_ids)
         if n == 0:
@@ -96,7 +98,8 @@ class LLMEngine:
         if self.scheduler.num_waiting >= self.config.max_waiting_requests:
             raise EngineOverloadedError(f"waiting queue is full ({self.config.max_waiting_requests} requests)")
         req = Request(request_id, list(prompt_token_ids), params, priority=priority, max_total_tokens=self.max_model_len,
-                      ttft_deadline=float("inf") if ttft_deadline is None else ttft_deadline, tpot_slo_s=tpot_slo_s)
+                      ttft_deadline=float("inf") if ttft_deadline is None else ttft_deadline, tpot_slo_s=tpot_slo_s,
+                      rank=rank)
         self.scheduler.add(req)
         self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         if params.seed is not None:

@@ -31,6 +31,7 @@ class Request:
     arrival_seq: int = 0  # FCFS tie-break among equal priority (a counter, not a clock)
     ttft_deadline: float = float("inf")  # first token due by then (the caller's clock; inf: none): EDF order
     tpot_slo_s: float | None = None  # time per output token it was promised: caps the step's prefill tokens
+    rank: int = 0  # within a priority level, lower ranks are admitted first (then EDF); the server ranks cheap prompts 0
     max_total_tokens: int = 0  # prompt + output may not exceed this (max_model_len)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -60,9 +61,10 @@ class Request:
         return (self.priority, self.arrival_seq)
 
     @property
-    def waiting_key(self) -> tuple[int, float, int]:
-        """Waiting requests: priority, then earliest TTFT deadline (EDF; all-inf deadlines are FCFS), then arrival."""
-        return (self.priority, self.ttft_deadline, self.arrival_seq)
+    def waiting_key(self) -> tuple[int, int, float, int]:
+        """Waiting requests: priority, rank, then earliest TTFT deadline (EDF; all-inf deadlines are FCFS), then
+        arrival."""
+        return (self.priority, self.rank, self.ttft_deadline, self.arrival_seq)
 
     def late(self, now: float | None) -> bool:
         """Its first token can no longer come by its deadline (a preempted request that streamed is never late)."""

@@ -26,6 +26,7 @@ each admitted request carries into the engine's EDF ordering is on the same cloc
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -49,6 +50,11 @@ class ServerAdmissionConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     rate_priors: RatePriors = field(default_factory=RatePriors)
     max_in_flight: int = 4096  # held + admitted, then 503
+    cheap_prefill_tokens: int = 256  # a request with at most this many uncached prompt tokens is "cheap" (0: none)
+
+    def __post_init__(self):
+        if self.cheap_prefill_tokens < 0 or self.max_in_flight < 1:
+            raise ValueError("cheap_prefill_tokens must be >= 0 and max_in_flight >= 1")
 
     def router_config(self) -> RouterConfig:
         return RouterConfig(policy="round-robin", classes=self.classes, default_class=self.default_class,
@@ -58,6 +64,7 @@ class ServerAdmissionConfig:
 @dataclass
 class ServerCtx(RequestCtx):
     token_ids: list[int] = field(default_factory=list)
+    cheap: bool = False  # its uncached prefill is small: admitted ahead of the others of its priority level
 
 
 @dataclass
@@ -65,22 +72,53 @@ class Ticket:
     ctx: ServerCtx
     flight: InFlight
     ttft_deadline: float  # arrival + the class's TTFT SLO (perf_counter clock)
+    rank: int = 1  # the engine's order within a priority level: 0 cheap, 1 the rest
 
 
 class _EngineRouter(Router):
-    """The router over one worker, the engine: prefix hits come from the engine's own cache."""
+    """The router over one worker, the engine: prefix hits come from the engine's own cache.
 
-    def __init__(self, cfg: RouterConfig, engine, clock):
+    Cheap requests first: under overload, serving a continuation turn whose context is cached (a few
+    hundred uncached tokens) instead of a new session's first turn (thousands) turns the same compute into
+    several good requests. A request with at most `cheap_prefill_tokens` uncached tokens is ranked ahead of
+    the others of its priority level in the engine (`Request.rank`), so the prefill work in front of it is
+    only that of the cheap requests pending plus what remains of the prefills the engine already started
+    (at most one step's budget of the others' pending work): its snapshot counts just those. The others are predicted with all pending work in front, as before; cheap requests that arrive
+    later and pass them are what the miss-rate margin learns.
+    """
+
+    def __init__(self, cfg: RouterConfig, engine, clock, cheap_prefill_tokens: int = 0):
         super().__init__(cfg, clock, metrics_prefix="tokenmill_admission_")
         self.engine = engine
+        self.cheap_prefill_tokens = cheap_prefill_tokens
         self.worker = self.add_worker(WorkerSpec(LOCAL_WORKER, "tokenmill"))
         self.worker.healthy = True
+        self.cheap_pending: dict[str, InFlight] = {}  # cheap requests whose prefill is pending
 
     def cached_prefix(self, ctx: RequestCtx, w: WorkerState, now: float) -> tuple[int, int]:
         lookup = getattr(self.engine, "cached_prefix_tokens", None)
-        if lookup is None or not isinstance(ctx, ServerCtx):
+        if not isinstance(ctx, ServerCtx):
             return 0, 0
-        return max(0, min(lookup(ctx.token_ids), ctx.prompt_tokens - 1)), 0
+        hit = max(0, min(lookup(ctx.token_ids), ctx.prompt_tokens - 1)) if lookup is not None else 0
+        ctx.cheap = 0 < ctx.prompt_tokens - hit <= self.cheap_prefill_tokens
+        return hit, 0
+
+    def snapshot(self, ctx: RequestCtx):
+        snap, chunks = super().snapshot(ctx)
+        if not (isinstance(ctx, ServerCtx) and ctx.cheap):
+            return snap, chunks
+        for rid, f in list(self.cheap_pending.items()):
+            if f.prefill_done:
+                del self.cheap_pending[rid]
+        pending = self.cheap_pending.values()
+        cheap_tokens = sum(f.uncached_tokens for f in pending)
+        # the engine finishes the prefills it already started (running requests) before it admits anyone:
+        # up to one step's budget of the other requests' pending work is in front of a cheap request too
+        step = getattr(getattr(self.engine, "config", None), "max_num_batched_tokens", 0)
+        views = tuple(dataclasses.replace(
+            v, prefill_tokens=cheap_tokens + min(max(0, v.prefill_tokens - cheap_tokens), step),
+            prefill_requests=len(pending)) for v in snap.workers)
+        return dataclasses.replace(snap, workers=views), chunks
 
     def remember(self, url: str, ctx: RequestCtx, now: float) -> None:
         pass  # the engine's cache is the index
@@ -90,7 +128,7 @@ class ServerAdmission:
     def __init__(self, engine, cfg: ServerAdmissionConfig | None = None, clock=time.perf_counter):
         self.cfg = cfg or ServerAdmissionConfig()
         self.clock = clock
-        self.router = _EngineRouter(self.cfg.router_config(), engine, clock)
+        self.router = _EngineRouter(self.cfg.router_config(), engine, clock, self.cfg.cheap_prefill_tokens)
         self.classes = self.router.classes
         self._tickets: dict[str, Ticket] = {}
         self._seq = 0
@@ -125,7 +163,9 @@ class ServerAdmission:
         ctx = ServerCtx(request_id, cls, PromptKey((), True, len(token_ids), 1), len(token_ids), self.clock(),
                         self._seq, max_tokens, token_ids=token_ids)
         flight = await r.acquire(ctx)
-        ticket = self._tickets[request_id] = Ticket(ctx, flight, ctx.arrival_s + cls.ttft_slo_s)
+        if ctx.cheap:
+            r.cheap_pending[request_id] = flight
+        ticket = self._tickets[request_id] = Ticket(ctx, flight, ctx.arrival_s + cls.ttft_slo_s, 0 if ctx.cheap else 1)
         return ticket
 
     def progress(self, first_token_ids, finished) -> None:
@@ -140,5 +180,6 @@ class ServerAdmission:
     def release(self, request_id: str, output_tokens: int = 0) -> None:
         """The request ended (finished, failed, aborted, refused by the engine): its work leaves the books."""
         t = self._tickets.pop(request_id, None)
+        self.router.cheap_pending.pop(request_id, None)
         if t is not None:
             self.router.finish(t.ctx, t.flight, output_tokens, None)

@@ -86,6 +86,7 @@ class OpenAIServer:
             priority = parse_priority_header(request.headers.get("x-tokenmill-priority"))
         rid = f"{'cmpl' if req.kind == 'completion' else 'chatcmpl'}-{self._id_prefix}{next(self._ids):x}"
         deadline = tpot_slo = None
+        rank = 0
         if self.admission is not None:
             try:
                 cls = self.admission.workload_class(request.headers.get(CLASS_HEADER), req.workload_class)
@@ -98,11 +99,11 @@ class OpenAIServer:
                 raise APIError(e.status, _refusal_message(e, cls), "rate_limit_error" if e.status == 429
                                else "overloaded_error", None, e.reason,
                                headers={"Retry-After": _retry_after(e.retry_after_s)}) from None
-            deadline, tpot_slo = ticket.ttft_deadline, cls.tpot_slo_s
+            deadline, tpot_slo, rank = ticket.ttft_deadline, cls.tpot_slo_s, ticket.rank
         try:
             try:
                 stream = await self.engine.add(rid, ids, params, priority or 0, collect=not req.stream,
-                                               ttft_deadline=deadline, tpot_slo_s=tpot_slo)
+                                               ttft_deadline=deadline, tpot_slo_s=tpot_slo, rank=rank)
             except InvalidRequestError as e:
                 raise from_invalid(e) from None
             except EngineOverloadedError as e:

@@ -123,6 +123,7 @@ class _Add:
     future: asyncio.Future
     ttft_deadline: float | None = None  # time.perf_counter() clock
     tpot_slo_s: float | None = None
+    rank: int = 0
 
 
 @dataclass
@@ -186,7 +187,7 @@ class AsyncEngine:
     # -- loop side --------------------------------------------------------------------------------
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                   priority: int = 0, collect: bool = False, ttft_deadline: float | None = None,
-                  tpot_slo_s: float | None = None) -> RequestStream:
+                  tpot_slo_s: float | None = None, rank: int = 0) -> RequestStream:
         """Hand a request to the engine. Raises InvalidRequestError / EngineOverloadedError from add_request;
         cancelling the caller while it waits aborts the request. With `collect`, the stream yields only the
         final output (new_text: the whole text; new_logprobs: every token's). `ttft_deadline` is on the
@@ -197,7 +198,7 @@ class AsyncEngine:
         track = _Track(time.perf_counter(), params.max_tokens, len(prompt_token_ids), collect)
         future = self._loop.create_future()
         self._pending_adds += 1
-        self._send(_Add(request_id, prompt_token_ids, params, priority, track, future, ttft_deadline, tpot_slo_s))
+        self._send(_Add(request_id, prompt_token_ids, params, priority, track, future, ttft_deadline, tpot_slo_s, rank))
         try:
             await future
         except asyncio.CancelledError:
@@ -290,7 +291,7 @@ class AsyncEngine:
         error = None
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority,
-                                    ttft_deadline=cmd.ttft_deadline, tpot_slo_s=cmd.tpot_slo_s)
+                                    ttft_deadline=cmd.ttft_deadline, tpot_slo_s=cmd.tpot_slo_s, rank=cmd.rank)
             self._live[cmd.request_id] = cmd.track
         except Exception as e:  # noqa: BLE001 - InvalidRequestError / EngineOverloadedError / anything: to caller
             error = e
