@@ -245,3 +245,18 @@ def test_tightest_tpot_slo_counts_only_decoding_requests():
     add_dl(e, "prefilling", 200, deadline=float("inf"), tpot=0.05, base=500)
     e.step()  # "prefilling" gets a chunk only (budget 64 of 200): not decoding yet
     assert e.s.tightest_tpot_slo_s() == 0.5
+
+
+def test_rank_orders_before_deadlines_within_a_priority_level():
+    e = FakeEngine(budget=8, max_seqs=1)
+    e.s.add(Request("expensive-early", list(range(4)), SamplingParams(max_tokens=3), ttft_deadline=1.0, rank=1))
+    e.s.add(Request("cheap-late", list(range(100, 104)), SamplingParams(max_tokens=3), ttft_deadline=5.0, rank=0))
+    e.s.add(Request("other-priority", list(range(200, 204)), SamplingParams(max_tokens=3), priority=-1,
+                    ttft_deadline=9.0, rank=1))
+    order = []
+    while e.s.has_unfinished():
+        out = e.s.schedule(now=0.0)
+        for s in out.seqs:
+            order.append(s.request_id)
+            e.s.finish(e.s.requests[s.request_id], RequestStatus.FINISHED_LENGTH)
+    assert order == ["other-priority", "cheap-late", "expensive-early"]

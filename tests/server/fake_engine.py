@@ -36,6 +36,7 @@ class _Req:
     started: bool = False
     prefilled: int = 0  # prompt tokens computed (the cached ones included)
     tpot_slo_s: float | None = None
+    rank: int = 0
 
 
 class FakeEngine:
@@ -76,8 +77,9 @@ class FakeEngine:
             raise InvalidRequestError("token id out of range", param="prompt")
         if len(self.waiting) >= self.max_waiting:
             raise EngineOverloadedError(f"waiting queue full ({self.max_waiting})")
-        self.waiting.append(_Req(request_id, list(prompt_token_ids), params, priority, tpot_slo_s=tpot_slo_s))
-        self.waiting.sort(key=lambda r: r.priority)
+        self.waiting.append(_Req(request_id, list(prompt_token_ids), params, priority, tpot_slo_s=tpot_slo_s,
+                                 rank=rank))
+        self.waiting.sort(key=lambda r: (r.priority, r.rank))  # stable: FCFS among equals
         self.added.append(request_id)
 
     def abort_request(self, request_id):
@@ -123,6 +125,16 @@ class FakeEngine:
         self.last_first_scheduled = []
         decoding = [r for r in self.running.values() if r.started and r.prefilled >= len(r.prompt)]
         budget -= len(decoding)
+        prefill_tokens, ready = 0, list(decoding)
+        for r in self.running.values():  # prompts already started go first (like the real scheduler)
+            if r in decoding or budget <= 0:
+                continue
+            chunk = min(len(r.prompt) - r.prefilled, budget)
+            r.prefilled += chunk
+            budget -= chunk
+            prefill_tokens += chunk
+            if r.prefilled >= len(r.prompt):
+                ready.append(r)
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             r = self.waiting.pop(0)
             self.running[r.rid] = r
@@ -133,14 +145,7 @@ class FakeEngine:
             self.c["queries"] += len(r.prompt)
             self.c["hits"] += r.cached
             self.c["prompt"] += len(r.prompt)
-            budget -= 1  # at least one token of each admitted prompt
-            r.prefilled += 1
-        prefill_tokens, ready = len(self.last_first_scheduled), []
-        for r in self.running.values():
-            if r in decoding:
-                ready.append(r)
-                continue
-            chunk = max(0, min(len(r.prompt) - r.prefilled, budget))
+            chunk = min(len(r.prompt) - r.prefilled, budget)
             r.prefilled += chunk
             budget -= chunk
             prefill_tokens += chunk
