@@ -41,7 +41,7 @@ class LLMEngine:
         num_blocks = ModelRunner.num_blocks_for_bytes(cfg, c.kv_cache_bytes, c.block_size, self.kv_dtype)
         if num_blocks < 1:
             raise ModelLoadError(f"kv_cache_bytes={c.kv_cache_bytes} holds no block of {c.block_size} tokens "
-                                 f"({cfg.kv_bytes_per_token(self.kv_dtype.itemsize) * c.block_size} bytes each)")
+                                 f"({ModelRunner.kv_bytes_per_block(cfg, c.block_size, self.kv_dtype)} bytes each)")
         self.kv_capacity_tokens = num_blocks * c.block_size
         if c.max_model_len is not None and c.max_model_len > cfg.max_position_embeddings:
             raise ModelLoadError(f"max_model_len={c.max_model_len} exceeds the model's max_position_embeddings="
