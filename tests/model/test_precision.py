@@ -436,8 +436,11 @@ def test_int8_kv_cache_logits_against_hf(model_dir, monkeypatch, kernels_on):
     assert s.runner.kv_caches[0].data.dtype == torch.int8
     a = make_req("a", ids)
     (prefill,) = s.run([(a, 60)])
-    later = torch.cat([s.run([(a, 20)])[0], *[s.run([(a, 1)])[0] for _ in range(20)]])
-    assert rel_err(prefill, ref[:60]) < 1e-4
+    later = [s.run([(a, 20)])[0], *[s.run([(a, 1)])[0] for _ in range(19)]]
+    b = make_req("b", ids[:30])  # a step that mixes a fresh prefill with a decode
+    got_b, got_a = s.run([(b, 30), (a, 1)])
+    later = torch.cat([*later, got_a])
+    assert rel_err(prefill, ref[:60]) < 1e-4 and rel_err(got_b, ref[:30]) < 1e-4
     assert 1e-4 < rel_err(later, ref[60:]) < 3e-2, rel_err(later, ref[60:])
 
 

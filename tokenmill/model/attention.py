@@ -151,13 +151,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "t
     kernels = _cpu_kernels(q, cache)
     quant = isinstance(cache, Int8KVCache)
     if quant:
-        kc, vc, ks, vs = cache.data[0], cache.data[1], cache.scales[0], cache.scales[1]
+        kc, vc, k_sc, v_sc = cache.data[0], cache.data[1], cache.scales[0], cache.scales[1]
         if kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
-            kernels.write_kv_int8(kc, vc, ks, vs, k, v, meta.slot_mapping)
+            kernels.write_kv_int8(kc, vc, k_sc, v_sc, k, v, meta.slot_mapping)
         else:
             write_kv_int8(cache, k, v, meta.slot_mapping)
     else:
-        kc, vc, ks, vs = cache[0], cache[1], None, None
+        kc, vc, k_sc, v_sc = cache[0], cache[1], None, None
         if kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
             kernels.write_kv(kc, vc, k.to(cache.dtype), v.to(cache.dtype), meta.slot_mapping)
         else:
@@ -174,14 +174,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "t
             vs = v[s.q_start:s.q_start + s.q_len].transpose(0, 1)
             o = _sdpa(qs, ks, vs, None, scale, gqa)
         else:
-            ks_ = _gather(cache, 0, s.block_table, q.dtype)[:, :s.ctx_len]  # [kvh, ctx, hd]
-            vs_ = _gather(cache, 1, s.block_table, q.dtype)[:, :s.ctx_len]
+            ks = _gather(cache, 0, s.block_table, q.dtype)[:, :s.ctx_len]  # [kvh, ctx, hd]
+            vs = _gather(cache, 1, s.block_table, q.dtype)[:, :s.ctx_len]
             qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)[:, None]
             kpos = torch.arange(s.ctx_len, device=q.device)[None, :]
             mask = kpos <= qpos
             if window is not None:
                 mask &= kpos > qpos - window
-            o = _sdpa(qs, ks_, vs_, mask, scale, gqa)
+            o = _sdpa(qs, ks, vs, mask, scale, gqa)
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
     if meta.decode_token_idx is not None:
         idx = meta.decode_token_idx
@@ -189,12 +189,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "t
         if kernels is not None:  # K/V read in place from the cache, no padded gather
             if not meta.spans and d == q.shape[0]:  # a pure decode step: tokens are in order, no copies
                 kernels.paged_decode_attention(out, q, kc, vc, meta.decode_block_tables,
-                                               meta.decode_ctx_lens, scale, meta.sliding_window or 0, ks, vs)
+                                               meta.decode_ctx_lens, scale, meta.sliding_window or 0, k_sc, v_sc)
                 return out
             qd = q.index_select(0, idx)  # [D, nh, hd]
             od = torch.empty_like(qd)
             kernels.paged_decode_attention(od, qd, kc, vc, meta.decode_block_tables,
-                                           meta.decode_ctx_lens, scale, meta.sliding_window or 0, ks, vs)
+                                           meta.decode_ctx_lens, scale, meta.sliding_window or 0, k_sc, v_sc)
             out.index_copy_(0, idx, od)
             return out
         if meta.decode_mask is None:  # built once per step, shared by all layers
