@@ -201,6 +201,6 @@ class LLMEngine:
         c, cfg = self.config, self.model_config
         return (f"model {self.model_name} ({cfg.architecture}, {cfg.num_params() / 1e6:.1f}M params) on "
                 f"{self.device} in {str(self.dtype).replace('torch.', '')}"
-                f"{'' if c.quantization == 'none' else ' with ' + c.quantization + ' weights (W8A8)'}; KV cache ({str(self.kv_dtype).replace('torch.', '')}) {self.kv.pool.num_blocks} "
+                f"{' with int8 weights (W8A8, pre-quantized checkpoint)' if cfg.quantization else '' if c.quantization == 'none' else ' with ' + c.quantization + ' weights (W8A8)'}; KV cache ({str(self.kv_dtype).replace('torch.', '')}) {self.kv.pool.num_blocks} "
                 f"blocks x {c.block_size} = {self.kv_capacity_tokens} tokens; max_model_len {self.max_model_len}; "
                 f"prefix caching {'on' if c.enable_prefix_caching else 'off'}; {capabilities().summary()}")
