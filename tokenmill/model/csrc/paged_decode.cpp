@@ -72,6 +72,68 @@ template <typename T> static inline T from_f(float v) { return static_cast<T>(v)
     return __VA_ARGS__();                                                                    \
   }()
 
+#ifdef TM_AVX2
+// pass 2 of decode attention, register-tiled: acc[g][e0 : e0 + 8*CH] for the TG query heads of one kv head stay
+// in registers across the whole context (no load/store of the accumulators per token); V rows are read once per
+// tile of 8*CH columns (they stay in L1/L2 between tiles). Needs hd % (8*CH) == 0.
+template <int TG, int CH, typename T>
+static void attend_v_tiled(const T* vp, const int64_t* row, const float* vsc, int64_t kvh, int64_t h, int64_t bs,
+                           int64_t hd, int64_t start, int64_t ctx, const float* scores, int64_t n, float* acc) {
+  for (int64_t e0 = 0; e0 < hd; e0 += 8 * CH) {
+    __m256 a[TG][CH];
+    for (int g = 0; g < TG; ++g)
+      for (int c = 0; c < CH; ++c) a[g][c] = _mm256_setzero_ps();
+    for (int64_t b = start / bs; b * bs < ctx; ++b) {
+      const int64_t t0 = std::max(start, b * bs), t1 = std::min(ctx, (b + 1) * bs);
+      const T* vb = vp + (row[b] * kvh + h) * bs * hd + e0;
+      const float vs = vsc ? vsc[row[b] * kvh + h] : 1.f;  // int8: the block's V scale, folded into p
+      for (int64_t t = t0; t < t1; ++t) {
+        const T* vt = vb + (t - b * bs) * hd;
+        __m256 p[TG];
+        for (int g = 0; g < TG; ++g) p[g] = _mm256_set1_ps(scores[g * n + (t - start)] * vs);
+        for (int c = 0; c < CH; ++c) {
+          const __m256 v8 = load8(vt + 8 * c);
+          for (int g = 0; g < TG; ++g) a[g][c] = _mm256_fmadd_ps(p[g], v8, a[g][c]);
+        }
+      }
+    }
+    for (int g = 0; g < TG; ++g)
+      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(acc + g * hd + e0 + 8 * c, a[g][c]);
+  }
+}
+
+template <typename T>
+static bool attend_v_dispatch(int64_t G, const T* vp, const int64_t* row, const float* vsc, int64_t kvh, int64_t h,
+                              int64_t bs, int64_t hd, int64_t start, int64_t ctx, const float* scores, int64_t n,
+                              float* acc) {
+  if (hd % 8) return false;
+  const int64_t nch = hd / 8;
+#define TM_TRY(TG, CH)                                                                                      \
+  if (G == TG && nch % CH == 0) {                                                                           \
+    attend_v_tiled<TG, CH, T>(vp, row, vsc, kvh, h, bs, hd, start, ctx, scores, n, acc);                    \
+    return true;                                                                                            \
+  }
+  TM_TRY(1, 8) TM_TRY(1, 4) TM_TRY(1, 2) TM_TRY(1, 1)
+  TM_TRY(2, 4) TM_TRY(2, 2) TM_TRY(2, 1)
+  TM_TRY(4, 2) TM_TRY(4, 1)
+  TM_TRY(8, 1)
+#undef TM_TRY
+  return false;
+}
+
+// pass 1 for TG query heads sharing one kv head: each K chunk is loaded (and converted) once for all of them
+template <int TG, typename T>
+static inline void scores_shared_k(const float* qf, const T* kt, int64_t hd, float* s) {
+  __m256 a[TG];
+  for (int g = 0; g < TG; ++g) a[g] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < hd; e += 8) {
+    const __m256 k8 = load8(kt + e);
+    for (int g = 0; g < TG; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * hd + e), k8, a[g]);
+  }
+  for (int g = 0; g < TG; ++g) s[g] = hsum256(a[g]);
+}
+#endif
+
 template <typename TQ, typename T>
 static void paged_decode_attention_impl(
     torch::Tensor out,           // [D, nh, hd] TQ
@@ -133,6 +195,16 @@ static void paged_decode_attention_impl(
         }
         for (int64_t t = t0; t < t1; ++t) {
           const T* kt = kb + (t - b * bs) * hd;
+#ifdef TM_AVX2
+          if (vec && (G == 2 || G == 4 || G == 8)) {
+            float sg[8];
+            if (G == 2) scores_shared_k<2>(qf.data(), kt, hd, sg);
+            else if (G == 4) scores_shared_k<4>(qf.data(), kt, hd, sg);
+            else scores_shared_k<8>(qf.data(), kt, hd, sg);
+            for (int64_t g = 0; g < G; ++g) scores[g * n + (t - start)] = sg[g] * bscale;
+            continue;
+          }
+#endif
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * hd;
             float s = 0.f;
@@ -177,7 +249,13 @@ static void paged_decode_attention_impl(
         for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
       }
       // pass 2: acc[g] = sum_t p[g][t] v_t
-      for (int64_t b = start / bs; b * bs < ctx; ++b) {
+#ifdef TM_AVX2
+      const bool tiled = vec && attend_v_dispatch<T>(G, vp, row, vsc, kvh, h, bs, hd, start, ctx, scores.data(), n,
+                                                     acc.data());
+#else
+      const bool tiled = false;
+#endif
+      for (int64_t b = start / bs; !tiled && b * bs < ctx; ++b) {
         const int64_t t0 = std::max(start, b * bs), t1 = std::min(ctx, (b + 1) * bs);
         const T* vb = vp + (row[b] * kvh + h) * bs * hd;
         const float vs = vsc ? vsc[row[b] * kvh + h] : 1.f;  // int8: the block's V scale, folded into p
