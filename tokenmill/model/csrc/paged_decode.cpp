@@ -180,17 +180,6 @@ static void paged_decode_attention_impl(
 #else
       const bool vec = false;
 #endif
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-      // bf16 q and bf16 K where bf16 dot products are native: vdpbf16ps on the raw values (bf16 x bf16 products
-      // are exact in fp32, sums in fp32), with this head group's q rows held in registers
-      constexpr bool both_bf16 = std::is_same<TQ, at::BFloat16>::value && std::is_same<T, at::BFloat16>::value;
-      const bool dp = both_bf16 && hd % 32 == 0 && hd <= 128 && G <= 8;
-      __m512bh qv[8][4];
-      if (dp)
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t c = 0; c < hd / 32; ++c)
-            qv[g][c] = (__m512bh)_mm512_loadu_si512(qp + d * qs0 + (h * G + g) * qs1 + 32 * c);
-#endif
       // pass 1: scores[g][t] = q_g . k_t * scale; block by block, each head's rows contiguous
       for (int64_t b = start / bs; b * bs < ctx; ++b) {
         const int64_t t0 = std::max(start, b * bs), t1 = std::min(ctx, (b + 1) * bs);
@@ -206,17 +195,6 @@ static void paged_decode_attention_impl(
         }
         for (int64_t t = t0; t < t1; ++t) {
           const T* kt = kb + (t - b * bs) * hd;
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-          if (dp) {
-            for (int64_t g = 0; g < G; ++g) {
-              __m512 a = _mm512_setzero_ps();
-              for (int64_t c = 0; c < hd / 32; ++c)
-                a = _mm512_dpbf16_ps(a, qv[g][c], (__m512bh)_mm512_loadu_si512(kt + 32 * c));
-              scores[g * n + (t - start)] = _mm512_reduce_add_ps(a) * bscale;
-            }
-            continue;
-          }
-#endif
 #ifdef TM_AVX2
           if (vec && (G == 2 || G == 4 || G == 8)) {
             float sg[8];
