@@ -1,6 +1,6 @@
 """Quality of each precision, in one run: held-out loss and greedy agreement with fp32 on the shipped demo
-model (teacher-forced through the serving path; weights, activations and KV cache), and bf16 logits error against HF transformers beside HF's
-own bf16 error.
+model (teacher-forced through the serving path; weights, activations and KV cache), and bf16 logits error
+against HF transformers beside HF's own bf16 error.
 
     python benchmarks/precision_quality.py --windows 12
 """

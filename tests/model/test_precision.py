@@ -299,7 +299,7 @@ def _int8_fill(cache, write, g, lens, tables, bs, chunks, outlier=True):
         k = torch.randn(n, kvh, hd, generator=g) * torch.linspace(0.5, 3, n)[:, None, None]
         v = torch.randn(n, kvh, hd, generator=g) * torch.linspace(3, 0.5, n)[:, None, None]
         if outlier:
-            k[n // 2, 0, 3] = 40.0  # an outlier in the middle of a block: that block's K scale grows, earlier rows requantized
+            k[n // 2, 0, 3] = 40.0  # an outlier mid-block: the block's K scale grows, earlier rows requantized
         t = 0
         for c in chunks:
             if t >= n:
@@ -469,7 +469,8 @@ def test_int8_kv_capacity_config_cli_and_block_copy(tiny_dir):
 
     runner = q8.engine.runner
     tensors = runner.kv_block_tensors()
-    assert len(tensors) == 2 * cfg.num_hidden_layers and tensors[1].shape == (2, runner.num_blocks, cfg.num_key_value_heads)
+    assert len(tensors) == 2 * cfg.num_hidden_layers
+    assert tensors[1].shape == (2, runner.num_blocks, cfg.num_key_value_heads)
     used = [b for b in range(runner.num_blocks) if tensors[1][:, b].abs().sum() > 0][:3]
     assert used, "generation wrote no block"
     saved = runner.read_kv_blocks(used)

@@ -197,10 +197,16 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             num_steps=self.num_steps)
 
+    def _weights_note(self) -> str:
+        if self.model_config.quantization:
+            return " with int8 weights (W8A8, pre-quantized checkpoint)"
+        q = self.config.quantization
+        return "" if q == "none" else f" with {q} weights (W8A8)"
+
     def describe(self) -> str:
         c, cfg = self.config, self.model_config
         return (f"model {self.model_name} ({cfg.architecture}, {cfg.num_params() / 1e6:.1f}M params) on "
                 f"{self.device} in {str(self.dtype).replace('torch.', '')}"
-                f"{' with int8 weights (W8A8, pre-quantized checkpoint)' if cfg.quantization else '' if c.quantization == 'none' else ' with ' + c.quantization + ' weights (W8A8)'}; KV cache ({str(self.kv_dtype).replace('torch.', '')}) {self.kv.pool.num_blocks} "
+                f"{self._weights_note()}; KV cache ({str(self.kv_dtype).replace('torch.', '')}) {self.kv.pool.num_blocks} "
                 f"blocks x {c.block_size} = {self.kv_capacity_tokens} tokens; max_model_len {self.max_model_len}; "
                 f"prefix caching {'on' if c.enable_prefix_caching else 'off'}; {capabilities().summary()}")

@@ -1,6 +1,6 @@
-// Paged decode attention for CPU (fp32, bf16 or int8 KV storage, fp32 math): one new query token per sequence, K/V read in place from the
-// block-structured cache (no gather copy). Two passes per (sequence, kv head): scores for the whole context,
-// then the softmax-weighted sum of V. Parallel over (sequence, kv head) with ATen's thread pool. With AVX2+FMA the
+// Paged decode attention for CPU (fp32, bf16 or int8 KV storage, fp32 math): one new query token per sequence,
+// K/V read in place from the block-structured cache (no gather copy). Two passes per (sequence, kv head): scores
+// for the whole context, then the softmax-weighted sum of V. Parallel over (sequence, kv head) with ATen's thread pool. With AVX2+FMA the
 // dot products, the V accumulation and exp are 8-wide; the next block is prefetched (blocks are scattered).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -809,7 +809,7 @@ void linear_small_int8(torch::Tensor out, torch::Tensor x, torch::Tensor w8, tor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32/bf16 q, fp32/bf16/int8 KV)",
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32/bf16 q, any KV dtype)",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("ctx_lens"), py::arg("scale"), py::arg("window"), py::arg("k_scales") = py::none(),
         py::arg("v_scales") = py::none());
