@@ -35,7 +35,8 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtype", default="auto", help="tokenmill --dtype (auto: bf16 where the CPU has native bf16)")
     ap.add_argument("--quantization", default="none", help="tokenmill --quantization (none | int8)")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="tokenmill --kv-cache-dtype (auto | float32 | bfloat16)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="tokenmill --kv-cache-dtype (auto | float32 | bfloat16 | int8)")
     args = ap.parse_args()
 
     from tokenmill.engine.llm import LLM

@@ -180,7 +180,7 @@ def main():
                     help="CPU threads for every engine (torch threads; vLLM OpenMP cores 0..N-1)")
     ap.add_argument("--dtypes", nargs="+", default=["auto", "float32", "auto+int8"],
                     help="tokenmill --dtype values to run (auto: bf16 where the CPU has native bf16, else fp32); "
-                         "DTYPE+int8 adds --quantization int8")
+                         "DTYPE+int8 adds --quantization int8, DTYPE@KV sets --kv-cache-dtype KV (e.g. auto@int8)")
     ap.add_argument("--vllm-dtypes", nargs="+", default=["auto", "float32"],
                     help="vLLM --dtype values (auto: vLLM's default, what its users get)")
     ap.add_argument("--shared-prefix-requests", type=int, default=32)
@@ -208,12 +208,13 @@ def main():
 
     results, llm = {}, None
     for spec in args.dtypes:
+        spec, _, kv = spec.partition("@")
         dtype, _, quant = spec.partition("+")
         eng = LLM(args.model, kv_cache_bytes="4GiB", max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=max(max_len, 2048), enable_prefix_caching=False, dtype=dtype,
-                  quantization=quant or "none")
-        name = (f"tokenmill --dtype {dtype}{' --quantization ' + quant if quant else ''} "
-                f"({str(eng.engine.dtype).replace('torch.', '')})")
+                  quantization=quant or "none", kv_cache_dtype=kv or "auto")
+        name = (f"tokenmill --dtype {dtype}{' --quantization ' + quant if quant else ''}"
+                f"{' --kv-cache-dtype ' + kv if kv else ''} ({str(eng.engine.dtype).replace('torch.', '')})")
         results[name] = bench_tokenmill(eng, prompts, outs)
         if llm is None:
             llm = eng  # the first one also runs the decode and prefix-caching tables below

@@ -1,6 +1,6 @@
 """Quality of each precision, in one run: held-out loss and greedy agreement with fp32 on the shipped demo
-model (teacher-forced through the serving path), and bf16 logits error against HF transformers beside HF's
-own bf16 error.
+model (teacher-forced through the serving path; weights, activations and KV cache), and bf16 logits error
+against HF transformers beside HF's own bf16 error.
 
     python benchmarks/precision_quality.py --windows 12
 """
@@ -34,13 +34,21 @@ def main() -> int:
     held = held[torch.linspace(0, len(held) - 1, args.windows).long()]
     ref = Scorer("demo", torch.float32)
     print(f"\ndemo model, {args.windows} held-out windows x {args.seq_len} tokens\n")
+    print("KV-cache rows are scored one token at a time (decode order: every earlier token's K/V is read back from")
+    print("the cache, the worst case for a quantized cache); the others prefill each window at once.\n")
     print("| precision | held-out loss | vs fp32 | greedy agreement with fp32 (first 64 positions) |")
     print("|---|---|---|---|")
     base = heldout_quality(ref, held)["loss"]
     print(f"| fp32 | {base:.4f} | — | — |")
-    for name, dtype, quant in [("bf16", torch.bfloat16, "none"), ("int8 W8A8, bf16 activations", torch.bfloat16, "int8"),
-                               ("int8 W8A8, fp32 activations", torch.float32, "int8")]:
-        q = heldout_quality(Scorer("demo", dtype, quantization=quant), held, reference=ref)
+    rows = [("bf16", torch.bfloat16, "none", None), ("int8 W8A8, bf16 activations", torch.bfloat16, "int8", None),
+            ("int8 W8A8, fp32 activations", torch.float32, "int8", None),
+            ("fp32, bf16 KV cache", torch.float32, "none", torch.bfloat16),
+            ("fp32, int8 KV cache", torch.float32, "none", torch.int8),
+            ("bf16, int8 KV cache", torch.bfloat16, "none", torch.int8),
+            ("bf16 + int8 W8A8, int8 KV cache", torch.bfloat16, "int8", torch.int8)]
+    for name, dtype, quant, kv in rows:
+        q = heldout_quality(Scorer("demo", dtype, quantization=quant, kv_dtype=kv), held, reference=ref,
+                            chunk=512 if kv is None else 1)
         print(f"| {name} | {q['loss']:.4f} | {100 * (q['loss'] / base - 1):+.3f}% | {100 * q['agreement']:.1f}% |")
 
     import transformers

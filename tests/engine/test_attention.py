@@ -22,13 +22,14 @@ def dense_reference(q, keys, vals, ctx, window, scale):
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("use_kernel", [True, False])
-def test_decode_paths_match_dense(monkeypatch, window, use_kernel):
+@pytest.mark.parametrize("kvh, nh, hd", [(2, 6, 16), (2, 2, 64), (1, 8, 64), (2, 8, 24), (2, 4, 40), (2, 4, 64)])
+def test_decode_paths_match_dense(monkeypatch, window, use_kernel, kvh, nh, hd):  # query heads per kv head 1-8
     if use_kernel and get_kernels() is None:
         pytest.skip("no C++ compiler: kernel unavailable")
     if not use_kernel:
         monkeypatch.setattr(attention, "_cpu_kernels", lambda q, c: None)
     g = torch.Generator().manual_seed(0)
-    nb, bs, kvh, hd, nh = 20, 4, 2, 16, 6
+    nb, bs = 20, 4
     cache = torch.randn(2, nb, kvh, bs, hd, generator=g)
     lens = [1, 7, 13]
     tables = [[3], [5, 9], [0, 2, 11, 19]]

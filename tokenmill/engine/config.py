@@ -28,7 +28,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bf16 on CPUs with native bf16 (avx512_bf16/AMX) else fp32; CUDA: fp16 ckpt -> fp16, else bf16 (sm80+)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     quantization: str = "none"  # none | int8 (W8A8 dynamic: weights per channel at load, activations per token)
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | int8 (per-(block, head) scales)
     kv_cache_bytes: int = 1 * GiB  # KV capacity in bytes (all layers, K and V)
     block_size: int = 16  # tokens per KV block
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
@@ -50,8 +50,8 @@ class EngineConfig:
             (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype must be auto|float32|bfloat16|float16"),
             (self.quantization in ("none", "int8"), f"unknown quantization {self.quantization!r} (none|int8)"),
-            (self.kv_cache_dtype in ("auto", "float32", "bfloat16"),
-             f"unknown kv_cache_dtype {self.kv_cache_dtype!r} (auto|float32|bfloat16)"),
+            (self.kv_cache_dtype in ("auto", "float32", "bfloat16", "int8"),
+             f"unknown kv_cache_dtype {self.kv_cache_dtype!r} (auto|float32|bfloat16|int8)"),
         ]
         for ok, msg in checks:
             if not ok:

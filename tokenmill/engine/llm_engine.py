@@ -41,7 +41,7 @@ class LLMEngine:
         num_blocks = ModelRunner.num_blocks_for_bytes(cfg, c.kv_cache_bytes, c.block_size, self.kv_dtype)
         if num_blocks < 1:
             raise ModelLoadError(f"kv_cache_bytes={c.kv_cache_bytes} holds no block of {c.block_size} tokens "
-                                 f"({cfg.kv_bytes_per_token(self.kv_dtype.itemsize) * c.block_size} bytes each)")
+                                 f"({ModelRunner.kv_bytes_per_block(cfg, c.block_size, self.kv_dtype)} bytes each)")
         self.kv_capacity_tokens = num_blocks * c.block_size
         if c.max_model_len is not None and c.max_model_len > cfg.max_position_embeddings:
             raise ModelLoadError(f"max_model_len={c.max_model_len} exceeds the model's max_position_embeddings="
@@ -220,10 +220,16 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             num_steps=self.num_steps)
 
+    def _weights_note(self) -> str:
+        if self.model_config.quantization:
+            return " with int8 weights (W8A8, pre-quantized checkpoint)"
+        q = self.config.quantization
+        return "" if q == "none" else f" with {q} weights (W8A8)"
+
     def describe(self) -> str:
         c, cfg = self.config, self.model_config
         return (f"model {self.model_name} ({cfg.architecture}, {cfg.num_params() / 1e6:.1f}M params) on "
                 f"{self.device} in {str(self.dtype).replace('torch.', '')}"
-                f"{'' if c.quantization == 'none' else ' with ' + c.quantization + ' weights (W8A8)'}; KV cache ({str(self.kv_dtype).replace('torch.', '')}) {self.kv.pool.num_blocks} "
+                f"{self._weights_note()}; KV cache ({str(self.kv_dtype).replace('torch.', '')}) {self.kv.pool.num_blocks} "
                 f"blocks x {c.block_size} = {self.kv_capacity_tokens} tokens; max_model_len {self.max_model_len}; "
                 f"prefix caching {'on' if c.enable_prefix_caching else 'off'}; {capabilities().summary()}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.model.attention import AttentionMetadata, SeqSpan
+from tokenmill.model.attention import AttentionMetadata, Int8KVCache, SeqSpan
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.llama import LlamaModel
 
@@ -48,7 +48,12 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.sliding_window = sliding_window
         shape = (2, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        if self.kv_dtype == torch.int8:  # int8 data + one fp32 scale per (block, kv head) for K and V
+            self.kv_caches = [Int8KVCache.empty(num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, device)
+                              for _ in range(cfg.num_hidden_layers)]
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=device)
+                              for _ in range(cfg.num_hidden_layers)]
         if device.type == "cpu":
             _keep_freed_memory()
             from tokenmill.model.cpu_kernels import get_kernels
@@ -56,9 +61,40 @@ class ModelRunner:
             get_kernels()  # compile (once per machine) before serving, not in the first request
 
     @staticmethod
-    def num_blocks_for_bytes(cfg: ModelConfig, kv_cache_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """All layers, K and V; int8 adds its fp32 scales (one per (block, kv head), K and V)."""
         per_block = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
-        return kv_cache_bytes // per_block
+        if dtype == torch.int8:
+            per_block += 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 4
+        return per_block
+
+    @staticmethod
+    def num_blocks_for_bytes(cfg: ModelConfig, kv_cache_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+        return kv_cache_bytes // ModelRunner.kv_bytes_per_block(cfg, block_size, dtype)
+
+    # -- KV blocks by id (for moving blocks between tiers / processes) ----------------------------
+    def kv_block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor that holds KV state, each indexed by block id in dim 1: block b's full contents are
+        `[t[:, b] for t in kv_block_tensors()]`. Per layer: the cache [2, NB, kvh, bs, hd] (K, V), and with an
+        int8 cache also its scales [2, NB, kvh] fp32."""
+        out = []
+        for c in self.kv_caches:
+            out.extend((c.data, c.scales) if isinstance(c, Int8KVCache) else (c,))
+        return out
+
+    def read_kv_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Copies of the blocks' contents, one tensor per `kv_block_tensors()` entry ([2, len(block_ids), ...])."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return [t.index_select(1, idx) for t in self.kv_block_tensors()]
+
+    def write_kv_blocks(self, block_ids: list[int], contents: list[torch.Tensor]) -> None:
+        """The inverse of `read_kv_blocks`: put saved contents into (possibly other) block ids."""
+        tensors = self.kv_block_tensors()
+        if len(contents) != len(tensors):
+            raise ValueError(f"expected {len(tensors)} tensors (kv_block_tensors()), got {len(contents)}")
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        for t, c in zip(tensors, contents):
+            t.index_copy_(1, idx, c.to(device=t.device, dtype=t.dtype))
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)

@@ -61,13 +61,16 @@ def make_request(rid: str, ids: list[int]) -> Request:
 
 
 def heldout_quality(scorer: Scorer, windows: torch.Tensor, reference: "Scorer | None" = None,
-                    agreement_tokens: int = 64) -> dict:
+                    agreement_tokens: int = 64, chunk: int = 512) -> dict:
     """Teacher-forced on [N, S+1] windows: mean next-token loss; with a reference scorer (fp32), the share
-    of the first `agreement_tokens` positions where both pick the same greedy token, and its loss."""
+    of the first `agreement_tokens` positions where both pick the same greedy token, and its loss.
+    `scorer` feeds each window in chunks of `chunk` tokens: a chunk attends to its own K/V as computed and to
+    earlier chunks' K/V as stored in the cache, so chunk=1 (decode) reads every earlier token from the cache
+    (the worst case for a quantized KV cache); the reference always prefills whole windows."""
     nll = n = agree = n_agree = ref_nll = 0.0
     for w in windows.tolist():
         x, y = w[:-1], torch.tensor(w[1:])
-        logits = scorer.logits(x)
+        logits = scorer.logits(x, chunk)
         nll += F.cross_entropy(logits, y, reduction="sum").item()
         n += len(y)
         if reference is not None:

@@ -11,6 +11,9 @@ blocks that the step itself fills (same-step prefix sharing).
 
 Sequences with q_len == 1 are attended together in one padded batch; others one by one (a sequence
 with no cached context uses the causal fast path without gathering from the cache).
+
+`--kv-cache-dtype int8` stores the cache as an `Int8KVCache` (int8 data in the same layout + one fp32 scale per
+(block, kv head) for K and for V); see its docstring for the scheme.
 """
 
 from __future__ import annotations
@@ -40,10 +43,81 @@ class AttentionMetadata:
     sliding_window: int | None = None
 
 
-def _cpu_kernels(q: torch.Tensor, cache: torch.Tensor):
+class Int8KVCache:
+    """One layer's int8 KV cache: `data` [2, num_blocks, kv_heads, block_size, head_dim] int8 (the float layout)
+    and `scales` [2, num_blocks, kv_heads] fp32: value = data * scale, one scale per (block, kv head), K and V
+    apart. Both are indexed by block id in dim 1, so a block's full contents are `data[:, b]` + `scales[:, b]`.
+
+    The scheme, and why: a block is filled incrementally (a prefill chunk, then one decode token per step), so a
+    scale fixed at the block's first write would clip a later, larger token, and per-token scales would cost
+    4 bytes per head_dim bytes (17% at the demo model's head_dim 24). Instead the scale may only grow: tokens
+    are written in position order, so when this step's tokens land at offsets >= o0, rows [0, o0) are the
+    block's valid content (o0 == 0: a fresh block, the old scale is stale and ignored). The new scale is
+    max(old scale, absmax(new rows) / 127); if it grew, rows [0, o0) are requantized to it first (their |q|
+    only shrinks), then the new rows are quantized (round to nearest, +-127). Nothing ever saturates; a
+    requantized row carries at most one extra rounding per growth (a block's running maximum over 16 tokens
+    grows ~3 times on average). Capacity: 1 byte per value + 8 bytes per (block, head) per layer, ~4x fp32 and
+    ~2x bf16. Shared (prefix-cached) blocks are full and never written again, so requantization never touches
+    a block another sequence is reading in a later step.
+    """
+
+    dtype = torch.int8
+
+    def __init__(self, data: torch.Tensor, scales: torch.Tensor):
+        self.data, self.scales = data, scales
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @staticmethod
+    def empty(num_blocks: int, kv_heads: int, block_size: int, head_dim: int, device) -> "Int8KVCache":
+        return Int8KVCache(torch.zeros(2, num_blocks, kv_heads, block_size, head_dim, dtype=torch.int8, device=device),
+                           torch.zeros(2, num_blocks, kv_heads, dtype=torch.float32, device=device))
+
+
+def _cpu_kernels(q: torch.Tensor, cache):
     from tokenmill.model.cpu_kernels import KERNEL_DTYPES, kernels_for
 
-    return kernels_for(q) if cache.dtype in KERNEL_DTYPES else None  # the cache may differ (--kv-cache-dtype)
+    if isinstance(cache, Int8KVCache) or cache.dtype in KERNEL_DTYPES:  # the cache may differ (--kv-cache-dtype)
+        return kernels_for(q)
+    return None
+
+
+def write_kv_int8(cache: Int8KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The scheme of `Int8KVCache` in PyTorch (the fallback and the tests' reference for the C++ `write_kv_int8`)."""
+    bs = cache.data.shape[3]
+    blk, off = slot_mapping // bs, slot_mapping % bs
+    ublk, inv = torch.unique(blk, return_inverse=True)
+    o0 = torch.full((len(ublk),), bs, dtype=off.dtype, device=off.device).scatter_reduce(0, inv, off, "amin")
+    fresh = (o0 == 0)[:, None]  # [U, 1]
+    valid_rows = torch.arange(bs, device=off.device)[None, :] < o0[:, None]  # [U, bs]
+    for i, x in ((0, k), (1, v)):
+        xf = x.float()
+        amax = torch.zeros(len(ublk), x.shape[1], device=x.device).scatter_reduce_(
+            0, inv[:, None].expand(-1, x.shape[1]), xf.abs().amax(-1), "amax")  # [U, kvh]
+        old = cache.scales[i][ublk]
+        s = torch.where(fresh, amax / 127, torch.maximum(old, amax / 127))
+        grow = ~fresh & (s > old)
+        if grow.any():
+            d = cache.data[i][ublk].float()  # [U, kvh, bs, hd]
+            ratio = torch.where(s > 0, old / s, torch.zeros_like(s))
+            sel = (grow[:, :, None] & valid_rows[:, None, :])[..., None]
+            cache.data[i][ublk] = torch.where(sel, torch.round(d * ratio[..., None, None]), d).to(torch.int8)
+        cache.scales[i][ublk] = s
+        st = s[inv]  # [T, kvh]
+        inv_s = torch.where(st > 0, 1 / st, torch.zeros_like(st))
+        cache.data[i][blk, :, off] = torch.round(xf * inv_s[..., None]).clamp_(-127, 127).to(torch.int8)
+
+
+def _gather(cache, i: int, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K (i=0) or V (i=1) of the blocks in `block_table`, in `dtype`: [..., kvh, MB * bs, hd] (a copy)."""
+    if isinstance(cache, Int8KVCache):
+        g = gather_kv(cache.data[i], block_table)
+        s = cache.scales[i][block_table].transpose(-1, -2)  # [..., kvh, MB]
+        s = s.repeat_interleave(cache.data.shape[3], dim=-1)  # [..., kvh, MB * bs]
+        return (g.float() * s[..., None]).to(dtype)
+    return gather_kv(cache[i], block_table).to(dtype)
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -71,14 +145,23 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return o[0]
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "torch.Tensor | Int8KVCache",
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, nh, hd]; k, v: [T, kvh, hd] (this step's new tokens). Returns [T, nh, hd]."""
     kernels = _cpu_kernels(q, cache)
-    if kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
-        kernels.write_kv(cache[0], cache[1], k.to(cache.dtype), v.to(cache.dtype), meta.slot_mapping)
+    quant = isinstance(cache, Int8KVCache)
+    if quant:
+        kc, vc, k_sc, v_sc = cache.data[0], cache.data[1], cache.scales[0], cache.scales[1]
+        if kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
+            kernels.write_kv_int8(kc, vc, k_sc, v_sc, k, v, meta.slot_mapping)
+        else:
+            write_kv_int8(cache, k, v, meta.slot_mapping)
     else:
-        write_kv(cache, k, v, meta.slot_mapping)  # index assignment casts to the cache's dtype
+        kc, vc, k_sc, v_sc = cache[0], cache[1], None, None
+        if kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
+            kernels.write_kv(kc, vc, k.to(cache.dtype), v.to(cache.dtype), meta.slot_mapping)
+        else:
+            write_kv(cache, k, v, meta.slot_mapping)  # index assignment casts to the cache's dtype
     out = torch.empty_like(q)
     nh, kvh = q.shape[1], k.shape[1]
     gqa = nh != kvh
@@ -91,8 +174,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
             vs = v[s.q_start:s.q_start + s.q_len].transpose(0, 1)
             o = _sdpa(qs, ks, vs, None, scale, gqa)
         else:
-            ks = gather_kv(cache[0], s.block_table)[:, :s.ctx_len].to(q.dtype)  # [kvh, ctx, hd]
-            vs = gather_kv(cache[1], s.block_table)[:, :s.ctx_len].to(q.dtype)
+            ks = _gather(cache, 0, s.block_table, q.dtype)[:, :s.ctx_len]  # [kvh, ctx, hd]
+            vs = _gather(cache, 1, s.block_table, q.dtype)[:, :s.ctx_len]
             qpos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=q.device)[:, None]
             kpos = torch.arange(s.ctx_len, device=q.device)[None, :]
             mask = kpos <= qpos
@@ -105,13 +188,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
         d = idx.shape[0]
         if kernels is not None:  # K/V read in place from the cache, no padded gather
             if not meta.spans and d == q.shape[0]:  # a pure decode step: tokens are in order, no copies
-                kernels.paged_decode_attention(out, q, cache[0], cache[1], meta.decode_block_tables,
-                                               meta.decode_ctx_lens, scale, meta.sliding_window or 0)
+                kernels.paged_decode_attention(out, q, kc, vc, meta.decode_block_tables,
+                                               meta.decode_ctx_lens, scale, meta.sliding_window or 0, k_sc, v_sc)
                 return out
             qd = q.index_select(0, idx)  # [D, nh, hd]
             od = torch.empty_like(qd)
-            kernels.paged_decode_attention(od, qd, cache[0], cache[1], meta.decode_block_tables,
-                                           meta.decode_ctx_lens, scale, meta.sliding_window or 0)
+            kernels.paged_decode_attention(od, qd, kc, vc, meta.decode_block_tables,
+                                           meta.decode_ctx_lens, scale, meta.sliding_window or 0, k_sc, v_sc)
             out.index_copy_(0, idx, od)
             return out
         if meta.decode_mask is None:  # built once per step, shared by all layers
@@ -122,8 +205,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
                 mask &= kpos >= lens - meta.sliding_window
             meta.decode_mask = mask[:, None, None, :]
         qd = q.index_select(0, idx).unsqueeze(2)  # [D, nh, 1, hd]
-        kd = gather_kv(cache[0], meta.decode_block_tables).to(q.dtype)  # [D, kvh, S, hd]
-        vd = gather_kv(cache[1], meta.decode_block_tables).to(q.dtype)
+        kd = _gather(cache, 0, meta.decode_block_tables, q.dtype)  # [D, kvh, S, hd]
+        vd = _gather(cache, 1, meta.decode_block_tables, q.dtype)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
         out.index_copy_(0, idx, o.squeeze(2))
     return out

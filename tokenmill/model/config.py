@@ -14,7 +14,8 @@ Read exactly as the installed-today transformers reads it (v5), and as v4 wrote 
 
 Anything that changes the math and is not implemented is a ModelLoadError naming the key: an unknown
 `rope_type` or RoPE field, `partial_rotary_factor` != 1, a `hidden_act` other than silu, a layout that mixes
-sliding and full-attention layers, RoPE that differs per layer type, a `quantization_config`.
+sliding and full-attention layers, RoPE that differs per layer type, a `quantization_config` other than
+compressed-tensors int8 W8A8 (quant_config.py).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class ModelConfig:
     sliding_window: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    quantization: str | None = None  # a pre-quantized checkpoint's format (quant_config.py), else None
     raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -156,11 +158,11 @@ class ModelConfig:
         def flag(v) -> bool:
             return bool(raw.get(v, False)) if isinstance(v, str) else v
 
-        if raw.get("quantization_config"):
-            method = raw["quantization_config"].get("quant_method", "?") \
-                if isinstance(raw["quantization_config"], dict) else "?"
-            raise ModelLoadError(f"{where}: 'quantization_config' (quant_method {method!r}): pre-quantized "
-                                 "checkpoints are not supported; use an unquantized checkpoint")
+        quantization = None
+        if raw.get("quantization_config"):  # one pre-quantized format loads (int8 W8A8); any other is refused
+            from tokenmill.model.quant_config import parse_quantization_config
+
+            quantization = parse_quantization_config(raw["quantization_config"], where)
         act = raw.get("hidden_act") or "silu"  # every supported architecture's default
         if act not in ("silu", "swish"):
             raise ModelLoadError(f"{where}: 'hidden_act' {act!r} is not supported (only silu)")
@@ -198,6 +200,7 @@ class ModelConfig:
             sliding_window=sliding,
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            quantization=quantization,
             raw=raw,
         )
 

@@ -62,7 +62,7 @@ def get_kernels():
         log.info("loading the CPU attention kernel (compiled once per machine, ~1 minute the first time)")
 
         suffix, isa = _isa_flags()
-        name = "tokenmill_cpu_kernels_v12" + suffix
+        name = "tokenmill_cpu_kernels_v16" + suffix
         src = Path(__file__).parent / "csrc" / "paged_decode.cpp"
         _state["mod"] = load(name=name, sources=[str(src)], extra_cflags=["-O3", "-fopenmp", *isa],
                              extra_ldflags=["-fopenmp"], verbose=False)

@@ -119,6 +119,11 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         w = layer.weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
         q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self._use_int8(layer, q, scale)
+
+    @staticmethod
+    def _use_int8(layer: "Linear", q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Keep int8 weights `q` [N, K] with per-output-channel fp32 `scale` [N] for apply()."""
         layer.w8 = q.contiguous()  # [N, K] for the small-batch kernel
         layer.w8_t = q.t().contiguous()  # [K, N] for torch._int_mm
         layer.w_scale = scale.contiguous()
@@ -155,8 +160,27 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         return out.view(*lead, n)
 
 
-LINEAR_METHODS: dict[str, Callable[[], LinearMethod]] = {"none": UnquantizedLinearMethod, "int8": Int8LinearMethod}
-QUANTIZATIONS = tuple(LINEAR_METHODS)
+class CheckpointInt8LinearMethod(Int8LinearMethod):
+    """A pre-quantized int8 W8A8 checkpoint (compressed-tensors, see quant_config.py): the checkpoint's int8
+    `weight` [N, K] and per-channel `weight_scale` load straight into the int8 storage (nothing is
+    re-quantized); run time is `Int8LinearMethod`'s (activations quantized per token)."""
+
+    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+        super().create_weights(layer, dtype)  # the bias (if any) in the model dtype
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=torch.int8),
+                                    requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.empty(layer.out_features, dtype=torch.float32), requires_grad=False)
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        scale = layer.weight_scale.detach()
+        if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+            raise ModelLoadError("checkpoint weight_scale holds a non-positive or non-finite scale")
+        self._use_int8(layer, layer.weight.detach(), scale.contiguous())
+
+
+LINEAR_METHODS: dict[str, Callable[[], LinearMethod]] = {"none": UnquantizedLinearMethod, "int8": Int8LinearMethod,
+                                                         "compressed-tensors-w8a8": CheckpointInt8LinearMethod}
+QUANTIZATIONS = ("none", "int8")  # what --quantization offers; checkpoint formats come from config.json
 
 
 class Linear(nn.Module):
@@ -188,10 +212,15 @@ class Linear(nn.Module):
         raise KeyError(shard)
 
     def load(self, kind: str, shard: str, tensor: torch.Tensor, name: str) -> None:
-        """Copy checkpoint tensor `name` (kind 'weight' or 'bias') into output shard `shard`."""
-        param = self.weight if kind == "weight" else self.bias
+        """Copy checkpoint tensor `name` (kind 'weight', 'bias' or, pre-quantized, 'weight_scale') into output
+        shard `shard`."""
+        param = getattr(self, kind, None)
         if param is None:
             raise ModelLoadError(f"unexpected tensor {name}: this layer has no {kind}")
+        if (param.dtype == torch.int8) != (tensor.dtype == torch.int8):
+            raise ModelLoadError(f"tensor {name} is {tensor.dtype}, expected {param.dtype}")
+        if kind == "weight_scale" and tensor.dim() == 2 and tensor.shape[1] == 1:
+            tensor = tensor[:, 0]  # compressed-tensors stores per-channel scales as [N, 1]
         lo, hi = self.shard_range(shard)
         target = param.data[lo:hi]
         if tuple(tensor.shape) != tuple(target.shape):

@@ -69,7 +69,7 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
 
 def _target(model: LlamaModel, name: str):
     """HF tensor name -> (Linear, kind, shard) | (Parameter, None, None)."""
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)", name)
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias|weight_scale)", name)
     if m:
         i, block, proj, kind = int(m[1]), m[2], m[3], m[4]
         if i >= len(model.layers):
@@ -106,8 +106,11 @@ def load_weights(model: LlamaModel, path: Path, device: torch.device) -> None:
                 expected[(id(mod), "weight", shard)] = f"{lname}[{shard or 'all'}].weight"
                 if mod.has_bias:
                     expected[(id(mod), "bias", shard)] = f"{lname}[{shard or 'all'}].bias"
+                if getattr(mod, "weight_scale", None) is not None:  # a pre-quantized checkpoint
+                    expected[(id(mod), "weight_scale", shard)] = f"{lname}[{shard or 'all'}].weight_scale"
     for pname, p in model.named_parameters():
-        if not any(pname.endswith(s) for s in ("proj.weight", "proj.bias", "lm_head.weight", "lm_head.bias")):
+        if not any(pname.endswith(s) for s in ("proj.weight", "proj.bias", "proj.weight_scale", "lm_head.weight",
+                                               "lm_head.bias")):
             expected[(id(p), None, None)] = pname
     by_file: dict[Path, list[str]] = {}
     for name, f in files.items():
@@ -180,6 +183,11 @@ def pick_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtyp
 
 def load_model(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                max_positions: int, quantization: str = "none") -> LlamaModel:
+    if cfg.quantization is not None:  # a pre-quantized checkpoint: its own int8 weights, whatever was asked
+        if quantization not in ("none", "int8"):
+            raise ModelLoadError(f"quantization={quantization!r} cannot apply to a checkpoint already quantized "
+                                 f"({cfg.quantization})")
+        quantization = cfg.quantization
     with torch.device("cpu"):
         model = LlamaModel(cfg, dtype, max_positions, quantization)
     load_weights(model, path, device)

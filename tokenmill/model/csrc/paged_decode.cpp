@@ -1,6 +1,6 @@
-// Paged decode attention for CPU (fp32 or bf16 storage, fp32 math): one new query token per sequence, K/V read in place from the
-// block-structured cache (no gather copy). Two passes per (sequence, kv head): scores for the whole context,
-// then the softmax-weighted sum of V. Parallel over (sequence, kv head) with ATen's thread pool. With AVX2+FMA the
+// Paged decode attention for CPU (fp32, bf16 or int8 KV storage, fp32 math): one new query token per sequence,
+// K/V read in place from the block-structured cache (no gather copy). Two passes per (sequence, kv head): scores
+// for the whole context, then the softmax-weighted sum of V. Parallel over (sequence, kv head) with ATen's thread pool. With AVX2+FMA the
 // dot products, the V accumulation and exp are 8-wide; the next block is prefetched (blocks are scattered).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -44,6 +44,10 @@ static inline __m256 load8(const at::BFloat16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+// int8 (the quantized KV cache): 8 bytes sign-extended and converted; the caller applies the block's scale
+static inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 static inline void store8(at::BFloat16* p, __m256 v) {
   __m256i b = _mm256_castps_si256(v);
@@ -56,6 +60,7 @@ static inline void store8(at::BFloat16* p, __m256 v) {
 
 static inline float to_f(float v) { return v; }
 static inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
+static inline float to_f(int8_t v) { return static_cast<float>(v); }
 template <typename T> static inline T from_f(float v) { return static_cast<T>(v); }
 
 // run F<float> or F<bf16> for the tensor's dtype
@@ -67,6 +72,68 @@ template <typename T> static inline T from_f(float v) { return static_cast<T>(v)
     return __VA_ARGS__();                                                                    \
   }()
 
+#ifdef TM_AVX2
+// pass 2 of decode attention, register-tiled: acc[g][e0 : e0 + 8*CH] for the TG query heads of one kv head stay
+// in registers across the whole context (no load/store of the accumulators per token); V rows are read once per
+// tile of 8*CH columns (they stay in L1/L2 between tiles). Needs hd % (8*CH) == 0.
+template <int TG, int CH, typename T>
+static void attend_v_tiled(const T* vp, const int64_t* row, const float* vsc, int64_t kvh, int64_t h, int64_t bs,
+                           int64_t hd, int64_t start, int64_t ctx, const float* scores, int64_t n, float* acc) {
+  for (int64_t e0 = 0; e0 < hd; e0 += 8 * CH) {
+    __m256 a[TG][CH];
+    for (int g = 0; g < TG; ++g)
+      for (int c = 0; c < CH; ++c) a[g][c] = _mm256_setzero_ps();
+    for (int64_t b = start / bs; b * bs < ctx; ++b) {
+      const int64_t t0 = std::max(start, b * bs), t1 = std::min(ctx, (b + 1) * bs);
+      const T* vb = vp + (row[b] * kvh + h) * bs * hd + e0;
+      const float vs = vsc ? vsc[row[b] * kvh + h] : 1.f;  // int8: the block's V scale, folded into p
+      for (int64_t t = t0; t < t1; ++t) {
+        const T* vt = vb + (t - b * bs) * hd;
+        __m256 p[TG];
+        for (int g = 0; g < TG; ++g) p[g] = _mm256_set1_ps(scores[g * n + (t - start)] * vs);
+        for (int c = 0; c < CH; ++c) {
+          const __m256 v8 = load8(vt + 8 * c);
+          for (int g = 0; g < TG; ++g) a[g][c] = _mm256_fmadd_ps(p[g], v8, a[g][c]);
+        }
+      }
+    }
+    for (int g = 0; g < TG; ++g)
+      for (int c = 0; c < CH; ++c) _mm256_storeu_ps(acc + g * hd + e0 + 8 * c, a[g][c]);
+  }
+}
+
+template <typename T>
+static bool attend_v_dispatch(int64_t G, const T* vp, const int64_t* row, const float* vsc, int64_t kvh, int64_t h,
+                              int64_t bs, int64_t hd, int64_t start, int64_t ctx, const float* scores, int64_t n,
+                              float* acc) {
+  if (hd % 8) return false;
+  const int64_t nch = hd / 8;
+#define TM_TRY(TG, CH)                                                                                      \
+  if (G == TG && nch % CH == 0) {                                                                           \
+    attend_v_tiled<TG, CH, T>(vp, row, vsc, kvh, h, bs, hd, start, ctx, scores, n, acc);                    \
+    return true;                                                                                            \
+  }
+  TM_TRY(1, 8) TM_TRY(1, 4) TM_TRY(1, 2) TM_TRY(1, 1)
+  TM_TRY(2, 4) TM_TRY(2, 2) TM_TRY(2, 1)
+  TM_TRY(4, 2) TM_TRY(4, 1)
+  TM_TRY(8, 1)
+#undef TM_TRY
+  return false;
+}
+
+// pass 1 for TG query heads sharing one kv head: each K chunk is loaded (and converted) once for all of them
+template <int TG, typename T>
+static inline void scores_shared_k(const float* qf, const T* kt, int64_t hd, float* s) {
+  __m256 a[TG];
+  for (int g = 0; g < TG; ++g) a[g] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < hd; e += 8) {
+    const __m256 k8 = load8(kt + e);
+    for (int g = 0; g < TG; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * hd + e), k8, a[g]);
+  }
+  for (int g = 0; g < TG; ++g) s[g] = hsum256(a[g]);
+}
+#endif
+
 template <typename TQ, typename T>
 static void paged_decode_attention_impl(
     torch::Tensor out,           // [D, nh, hd] TQ
@@ -75,7 +142,8 @@ static void paged_decode_attention_impl(
     torch::Tensor v_cache,       // [NB, kvh, bs, hd] T, contiguous
     torch::Tensor block_tables,  // [D, MB] int64
     torch::Tensor ctx_lens,      // [D] int64
-    double scale, int64_t window) {
+    double scale, int64_t window,
+    const float* ksc, const float* vsc) {  // int8 caches: [NB, kvh] fp32 scales of K and V; else nullptr
   TORCH_CHECK(out.scalar_type() == q.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "q and out, K and V caches must share a dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous(), "contiguous");
@@ -116,6 +184,7 @@ static void paged_decode_attention_impl(
       for (int64_t b = start / bs; b * bs < ctx; ++b) {
         const int64_t t0 = std::max(start, b * bs), t1 = std::min(ctx, (b + 1) * bs);
         const T* kb = kp + (row[b] * kvh + h) * bs * hd;
+        const float bscale = ksc ? fscale * ksc[row[b] * kvh + h] : fscale;  // int8: the block's K scale
         if ((b + 1) * bs < ctx) {  // the next block lives elsewhere in memory: fetch it while we compute
           const T* nk = kp + (row[b + 1] * kvh + h) * bs * hd;
           for (int64_t off = 0; off < bs * hd; off += line) __builtin_prefetch(nk + off, 0, 3);
@@ -126,6 +195,16 @@ static void paged_decode_attention_impl(
         }
         for (int64_t t = t0; t < t1; ++t) {
           const T* kt = kb + (t - b * bs) * hd;
+#ifdef TM_AVX2
+          if (vec && (G == 2 || G == 4 || G == 8)) {
+            float sg[8];
+            if (G == 2) scores_shared_k<2>(qf.data(), kt, hd, sg);
+            else if (G == 4) scores_shared_k<4>(qf.data(), kt, hd, sg);
+            else scores_shared_k<8>(qf.data(), kt, hd, sg);
+            for (int64_t g = 0; g < G; ++g) scores[g * n + (t - start)] = sg[g] * bscale;
+            continue;
+          }
+#endif
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * hd;
             float s = 0.f;
@@ -144,7 +223,7 @@ static void paged_decode_attention_impl(
             {
               for (int64_t e = 0; e < hd; ++e) s += to_f(qg[e]) * to_f(kt[e]);
             }
-            scores[g * n + (t - start)] = s * fscale;
+            scores[g * n + (t - start)] = s * bscale;
           }
         }
       }
@@ -170,15 +249,22 @@ static void paged_decode_attention_impl(
         for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
       }
       // pass 2: acc[g] = sum_t p[g][t] v_t
-      for (int64_t b = start / bs; b * bs < ctx; ++b) {
+#ifdef TM_AVX2
+      const bool tiled = vec && attend_v_dispatch<T>(G, vp, row, vsc, kvh, h, bs, hd, start, ctx, scores.data(), n,
+                                                     acc.data());
+#else
+      const bool tiled = false;
+#endif
+      for (int64_t b = start / bs; !tiled && b * bs < ctx; ++b) {
         const int64_t t0 = std::max(start, b * bs), t1 = std::min(ctx, (b + 1) * bs);
         const T* vb = vp + (row[b] * kvh + h) * bs * hd;
+        const float vs = vsc ? vsc[row[b] * kvh + h] : 1.f;  // int8: the block's V scale, folded into p
         for (int64_t t = t0; t < t1; ++t) {
           const T* vt = vb + (t - b * bs) * hd;
 #ifdef TM_AVX2
           if (vec && G <= 8) {  // each V chunk is loaded (and converted) once for all G query heads
             __m256 pv[8];
-            for (int64_t g = 0; g < G; ++g) pv[g] = _mm256_set1_ps(scores[g * n + (t - start)]);
+            for (int64_t g = 0; g < G; ++g) pv[g] = _mm256_set1_ps(scores[g * n + (t - start)] * vs);
             for (int64_t e = 0; e < hd; e += 8) {
               const __m256 v8 = load8(vt + e);
               for (int64_t g = 0; g < G; ++g) {
@@ -190,7 +276,7 @@ static void paged_decode_attention_impl(
           }
 #endif
           for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * n + (t - start)];
+            const float p = scores[g * n + (t - start)] * vs;
             float* ag = acc.data() + g * hd;
             for (int64_t e = 0; e < hd; ++e) ag[e] += p * to_f(vt[e]);
           }
@@ -205,12 +291,28 @@ static void paged_decode_attention_impl(
 }
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, torch::Tensor ctx_lens, double scale, int64_t window) {
+                            torch::Tensor block_tables, torch::Tensor ctx_lens, double scale, int64_t window,
+                            c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales) {
   // the KV cache may be stored in another dtype than the activations (--kv-cache-dtype)
+  if (k_cache.scalar_type() == at::kChar) {  // int8 KV: one fp32 scale per (block, kv head), for K and for V
+    TORCH_CHECK(k_scales.has_value() && v_scales.has_value(), "paged_decode_attention: an int8 cache needs its scales");
+    TORCH_CHECK(k_scales->scalar_type() == at::kFloat && v_scales->scalar_type() == at::kFloat &&
+                k_scales->is_contiguous() && v_scales->is_contiguous() &&
+                k_scales->numel() == k_cache.size(0) * k_cache.size(1) &&
+                v_scales->numel() == v_cache.size(0) * v_cache.size(1), "int8 KV scales: [NB, kvh] fp32, contiguous");
+    const float* ks = k_scales->data_ptr<float>();
+    const float* vs = v_scales->data_ptr<float>();
+    TM_DISPATCH(q, "paged_decode_attention", [&] {
+      paged_decode_attention_impl<scalar_t, int8_t>(out, q, k_cache, v_cache, block_tables, ctx_lens, scale, window,
+                                                    ks, vs);
+    });
+    return;
+  }
   TM_DISPATCH(q, "paged_decode_attention", [&] {
     using q_t = scalar_t;
     TM_DISPATCH(k_cache, "paged_decode_attention (cache)", [&] {
-      paged_decode_attention_impl<q_t, scalar_t>(out, q, k_cache, v_cache, block_tables, ctx_lens, scale, window);
+      paged_decode_attention_impl<q_t, scalar_t>(out, q, k_cache, v_cache, block_tables, ctx_lens, scale, window,
+                                                 nullptr, nullptr);
     });
   });
 }
@@ -359,6 +461,93 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
       std::memcpy(vc + dst * es, vp + (t * v.stride(0) + h * v.stride(1)) * es, hd * es);
     }
   }
+}
+
+
+// ---- int8 KV cache writes: one fp32 scale per (block, kv head) for K and for V (scheme: attention.Int8KVCache) ----
+// Tokens of a block are written in position order, so when new tokens land at offsets >= o0 of a block, the
+// block's valid content is its rows [0, o0) (o0 == 0: a fresh block, any old scale is stale). The block's scale
+// becomes max(old scale, absmax(new rows) / 127); if it grew, the valid rows are requantized to the new scale
+// first (|q| only shrinks: no saturation ever), then the new rows are quantized with it.
+template <typename T>
+static void write_kv_int8_impl(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scales,
+                               torch::Tensor v_scales, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping) {
+  const int64_t T_ = k.size(0), kvh = k.size(1), hd = k.size(2);
+  const int64_t NB = k_cache.size(0), bs = k_cache.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < NB * bs, "slot out of range");
+  // group the new tokens by block (a stable sort keeps their order: a slot written twice keeps the last value)
+  std::vector<int64_t> order(T_);
+  for (int64_t t = 0; t < T_; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return slots[a] / bs < slots[b] / bs; });
+  std::vector<int64_t> gstart;
+  for (int64_t i = 0; i < T_; ++i)
+    if (i == 0 || slots[order[i]] / bs != slots[order[i - 1]] / bs) gstart.push_back(i);
+  gstart.push_back(T_);
+  const int64_t ngroups = (int64_t)gstart.size() - 1;
+  int8_t* caches[2] = {k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>()};
+  float* scales[2] = {k_scales.data_ptr<float>(), v_scales.data_ptr<float>()};
+  const T* src[2] = {k.data_ptr<T>(), v.data_ptr<T>()};
+  const int64_t st0[2] = {k.stride(0), v.stride(0)}, st1[2] = {k.stride(1), v.stride(1)};
+  at::parallel_for(0, ngroups * kvh * 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t which = task % 2, h = (task / 2) % kvh, grp = task / (2 * kvh);
+      const int64_t i0 = gstart[grp], i1 = gstart[grp + 1];
+      const int64_t blk = slots[order[i0]] / bs;
+      int64_t o0 = bs;
+      float amax = 0.f;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = order[i];
+        o0 = std::min(o0, slots[t] % bs);
+        const T* x = src[which] + t * st0[which] + h * st1[which];
+        for (int64_t e = 0; e < hd; ++e) amax = std::max(amax, std::fabs(to_f(x[e])));
+      }
+      float* sp = scales[which] + blk * kvh + h;
+      int8_t* base = caches[which] + (blk * kvh + h) * bs * hd;
+      float s = amax / 127.f;
+      if (o0 > 0) {
+        const float old = *sp;
+        if (s > old) {  // the scale grows: requantize the valid rows [0, o0)
+          const float ratio = old / s;
+          for (int64_t e = 0; e < o0 * hd; ++e) base[e] = (int8_t)std::nearbyint((float)base[e] * ratio);
+        } else {
+          s = old;
+        }
+      }
+      *sp = s;
+      const float inv = s > 0.f ? 1.f / s : 0.f;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = order[i];
+        const T* x = src[which] + t * st0[which] + h * st1[which];
+        int8_t* qr = base + (slots[t] % bs) * hd;
+        int64_t e = 0;
+#ifdef TM_AVX2
+        const __m256 iv = _mm256_set1_ps(inv);
+        const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+        for (; e + 8 <= hd; e += 8) {  // round to nearest even, clamp to +-127, pack to 8 bytes
+          __m256i i32 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + e), iv));
+          i32 = _mm256_min_epi32(_mm256_max_epi32(i32, lo), hi);
+          const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + e), _mm_packs_epi16(i16, i16));
+        }
+#endif
+        for (; e < hd; ++e) qr[e] = (int8_t)std::nearbyint(std::min(127.f, std::max(-127.f, to_f(x[e]) * inv)));
+      }
+    }
+  });
+}
+
+void write_kv_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scales, torch::Tensor v_scales,
+                   torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k.stride(2) == 1 && v.stride(2) == 1 &&
+              k_scales.is_contiguous() && v_scales.is_contiguous(), "write_kv_int8: layout");
+  TORCH_CHECK(k_cache.scalar_type() == at::kChar && v_cache.scalar_type() == at::kChar &&
+              k_scales.scalar_type() == at::kFloat && v_scales.scalar_type() == at::kFloat &&
+              k.scalar_type() == v.scalar_type(), "write_kv_int8: int8 caches, fp32 scales, K and V of one dtype");
+  TORCH_CHECK(k_scales.numel() == k_cache.size(0) * k_cache.size(1) &&
+              v_scales.numel() == v_cache.size(0) * v_cache.size(1), "write_kv_int8: scales are [NB, kvh]");
+  TM_DISPATCH(k, "write_kv_int8", [&] { write_kv_int8_impl<scalar_t>(k_cache, v_cache, k_scales, v_scales, k, v,
+                                                                      slot_mapping); });
 }
 
 
@@ -620,7 +809,11 @@ void linear_small_int8(torch::Tensor out, torch::Tensor x, torch::Tensor w8, tor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32/bf16)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32/bf16 q, any KV dtype)",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("ctx_lens"), py::arg("scale"), py::arg("window"), py::arg("k_scales") = py::none(),
+        py::arg("v_scales") = py::none());
+  m.def("write_kv_int8", &write_kv_int8, "quantize this step's K/V into an int8 cache (per-(block, head) scales)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (CPU, fp32/bf16)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection (CPU, fp32/bf16)");
   m.def("linear_small", &linear_small, "y = x W^T (+ b) for at most 8 rows, W streamed once (CPU, fp32/bf16)");
