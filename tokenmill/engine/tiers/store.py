@@ -202,7 +202,7 @@ class FileStore:
             self._drop(path)
             return None
         try:
-            os.utime(path)  # LRU: a hit is a use
+            _touch(path)  # LRU: a hit is a use
         except OSError:
             pass
         self.stats.hits += 1
@@ -233,6 +233,7 @@ class FileStore:
                         if self.fsync:
                             f.flush()
                             os.fsync(f.fileno())
+                    _touch(tmp)
                     os.rename(tmp, path)
                 except BaseException:
                     _unlink(tmp)
@@ -282,6 +283,12 @@ class FileStore:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _touch(path: str) -> None:
+    """mtime = now at ns resolution (the kernel's own stamps are tick-coarse: many entries would tie)."""
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
 
 
 def _unlink(path: str) -> bool:
