@@ -345,3 +345,20 @@ def test_config_errors_name_the_option():
                      ({"kv_host_bytes": "1GiB", "enable_prefix_caching": False}, "prefix caching")]:
         with pytest.raises(TokenmillError, match=word):
             EngineConfig(**kw)
+
+
+def test_tier_series_in_metrics(tiny_dir, tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tokenmill.server.metrics import ServerMetrics
+
+    ref, _, _ = two_rounds(tiny_dir)
+    _, _, eng = two_rounds(tiny_dir, kv_host_bytes="8MiB", kv_host_dir=str(tmp_path / "h"))
+    text = ServerMetrics("m", 1024, lambda: (eng.stats(), 0)).render().decode()
+    got = {(s.name, s.labels.get("tier")): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    st = eng.stats().kv_tiers["host"]
+    assert got[("tokenmill_kv_tier_hits_total", "host")] == st["hits"] > 0
+    assert got[("tokenmill_kv_tier_written_bytes_total", "host")] == st["bytes_written"] > 0
+    assert got[("tokenmill_kv_tier_capacity_bytes", "host")] == 8 << 20
+    # the vLLM prefix-cache counters count every prompt token served without recompute, tiers included
+    assert got[("vllm:prefix_cache_hits_total", None)] == eng.stats().prefix_cache_hits_tokens > 0

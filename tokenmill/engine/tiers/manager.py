@@ -33,6 +33,27 @@ log = logging.getLogger("tokenmill.engine.tiers")
 
 PROBE_EVERY = 32
 
+# /metrics series per tier (label tier="host"|"disk"): (KVTiers.stats key, metric name, help, counter?)
+METRICS = [
+    ("capacity_bytes", "tokenmill_kv_tier_capacity_bytes", "KV tier capacity in bytes.", False),
+    ("hits", "tokenmill_kv_tier_hits", "KV blocks read back intact from the tier.", True),
+    ("misses", "tokenmill_kv_tier_misses", "KV tier lookups that found no usable block.", True),
+    ("corrupt", "tokenmill_kv_tier_corrupt_blocks",
+     "KV tier entries rejected (checksum, size, key or tokens mismatch): misses, recomputed.", True),
+    ("errors", "tokenmill_kv_tier_io_errors", "KV tier I/O errors (each a miss or a dropped store).", True),
+    ("stores", "tokenmill_kv_tier_stores", "KV blocks written to the tier.", True),
+    ("evictions", "tokenmill_kv_tier_evictions", "KV tier entries evicted (LRU) by this worker.", True),
+    ("bytes_read", "tokenmill_kv_tier_read_bytes", "Bytes read from the KV tier.", True),
+    ("bytes_written", "tokenmill_kv_tier_written_bytes", "Bytes written to the KV tier.", True),
+    ("load_seconds", "tokenmill_kv_tier_load_seconds", "Seconds spent reading blocks from the KV tier.", True),
+    ("store_seconds", "tokenmill_kv_tier_store_seconds", "Seconds spent writing blocks to the KV tier.", True),
+    ("loaded_blocks", "tokenmill_kv_tier_loaded_blocks", "KV blocks loaded from the tier into the pool.", True),
+    ("skipped_slower", "tokenmill_kv_tier_skipped_slower",
+     "Tier lookups skipped because loading a block measured slower than recomputing it.", True),
+    ("load_seconds_per_block_ewma", "tokenmill_kv_tier_load_seconds_per_block",
+     "Measured load time per block (EWMA), compared with the prefill time per block.", False),
+]
+
 
 class KVTiers:
     def __init__(self, stores: list[FileStore], fingerprint: bytes, runner, kv, clock=time.perf_counter,
