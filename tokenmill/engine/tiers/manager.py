@@ -106,7 +106,7 @@ class KVTiers:
     def load_for_waiting(self, waiting) -> int:
         """Load tier blocks extending the pool prefix of the first waiting requests. Returns blocks loaded."""
         pool, bs = self.kv.pool, self.block_size
-        budget = pool.num_free // 2  # leave room for the step's own allocations
+        budget = pool.num_free  # blocks this pass may fill: each request's loads plus the rest it will compute
         total = 0
         for req in waiting[:self.max_requests_per_step]:
             if budget <= 0:
@@ -120,11 +120,13 @@ class KVTiers:
                     break
                 hits.append(b)
             i0 = len(hits)
+            need = -(-req.num_tokens // bs) - i0  # blocks the request still has to fill (load or compute)
+            room, budget = budget, budget - need
             if i0 == len(hashes):
                 continue
             keys = self.keys(req, len(hashes))
             found: list[tuple[str, bytes, float]] = []
-            for i in range(i0, min(len(hashes), i0 + budget)):
+            for i in range(i0, min(len(hashes), i0 + room)):
                 got = None
                 for st in self.stores:
                     if not self._worth_loading(st):
@@ -156,7 +158,6 @@ class KVTiers:
                     self.loaded_blocks[name] += 1
                     self.load_s_per_block[name] = self._ewma(self.load_s_per_block[name], dt + per_block_write)
                 pool.release(list(reversed(new)))  # free but cached, most recently used; tail evicted first
-                budget -= n
                 total += n
             finally:
                 pool.release(list(reversed(hits)))
