@@ -237,8 +237,8 @@ def main() -> int:
         print("|---|---|---|")
         for label, t in rows:
             print(f"| {label} | {t * 1e3:.2f} | {t * 1e3 / n_blocks:.3f} |")
-        print(f"\nengine's run-time estimates (EWMA): recompute {rec_block * 1e3 if rec_block else float('nan'):.3f} "
-              f"ms/block; load " + ", ".join(f"{k} {v * 1e3:.3f} ms/block" for k, v in est.items() if v))
+        print(f"\nengine's run-time estimates: recompute (EWMA) {rec_block * 1e3 if rec_block else float('nan'):.3f} "
+              f"ms/block; load (median of last 8) " + ", ".join(f"{k} {v * 1e3:.3f} ms/block" for k, v in est.items() if v))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if not args.disk_dir:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -329,14 +330,20 @@ def test_loading_slower_than_recompute_is_skipped(tiny_dir, tmp_path):
     ref, ref_cached, _ = two_rounds(tiny_dir)
     llm = LLM(str(tiny_dir), kv_cache_bytes=pool_bytes(tiny_dir, 24), dtype="float32",
               kv_host_bytes="8MiB", kv_host_dir=str(tmp_path / "h"))
-    t = llm.engine.tiers
     outs = [out(llm.generate([p], GREEDY)[0]) for p in prompts()]
-    t.load_s_per_block["host"] = 1e3  # as if every load had taken 1000 s
-    t.recompute_s_per_token = 1e-3
+    store = llm.engine.tiers.stores[0]
+    real_get = store.get
+
+    def slow_get(*a, **kw):  # a tier far slower than recomputing a block of this tiny model
+        time.sleep(0.05)
+        return real_get(*a, **kw)
+
+    store.get = slow_get
     outs += [out(llm.generate([p], GREEDY)[0]) for p in prompts()]
     assert same(outs, ref)
     st = llm.engine.stats().kv_tiers["host"]
-    assert st["skipped_slower"] > 0 and st["loaded_blocks"] < st["skipped_slower"]
+    assert st["skipped_slower"] > 0 and st["loaded_blocks"] <= 3  # three slow reads are enough to switch
+    assert llm.engine.tiers.load_s_per_block["host"] > llm.engine.tiers.recompute_s_per_token * BS
 
 
 def test_config_errors_name_the_option():

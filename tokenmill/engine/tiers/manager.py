@@ -14,14 +14,17 @@ Called by LLMEngine.step() around the clock-free scheduler, never from inside it
     eviction path (allocation stays I/O-free). Its price is write bandwidth for blocks never read again
     (measured in benchmarks/kv_tiers.py).
   - `observe_step(seconds, sched)`: the prefill rate (EWMA seconds per token), against which each tier's
-    measured load time per block (EWMA) is compared: a tier whose block loads cost more than recomputing a
+    measured read time per block (median of the last 8 reads, read + verify: robust to one read delayed by
+    preemption, which an EWMA is not; the copy into the pool is a memcpy) is compared: a tier whose block loads cost more than recomputing a
     block is skipped (counted as `skipped_slower`), re-probed every PROBE_EVERY skipped lookups.
 Every failure inside is a miss or a dropped store, never an exception out of here (the engine also guards).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import statistics
 import time
 
 import torch
@@ -31,7 +34,9 @@ from tokenmill.engine.tiers.store import FileStore
 
 log = logging.getLogger("tokenmill.engine.tiers")
 
-PROBE_EVERY = 32
+PROBE_EVERY = 32  # a tier skipped as slower is read anyway once every PROBE_EVERY lookups (re-measured)
+LOAD_WINDOW = 8  # load time per block: median of the last LOAD_WINDOW reads (one preempted read does not flip it)
+MIN_LOAD_SAMPLES = 3
 
 # /metrics series per tier (label tier="host"|"disk"): (KVTiers.stats key, metric name, help, counter?)
 METRICS = [
@@ -50,8 +55,8 @@ METRICS = [
     ("loaded_blocks", "tokenmill_kv_tier_loaded_blocks", "KV blocks loaded from the tier into the pool.", True),
     ("skipped_slower", "tokenmill_kv_tier_skipped_slower",
      "Tier lookups skipped because loading a block measured slower than recomputing it.", True),
-    ("load_seconds_per_block_ewma", "tokenmill_kv_tier_load_seconds_per_block",
-     "Measured load time per block (EWMA), compared with the prefill time per block.", False),
+    ("load_seconds_per_block", "tokenmill_kv_tier_load_seconds_per_block",
+     "Measured read time per block (median of the last 8), compared with the prefill time per block (EWMA).", False),
 ]
 
 
@@ -66,9 +71,11 @@ class KVTiers:
         self._keys: dict[str, list[bytes]] = {}
         self.recompute_s_per_token: float | None = None
         self.load_s_per_block: dict[str, float | None] = {s.name: None for s in stores}
+        self._load_samples = {s.name: collections.deque(maxlen=LOAD_WINDOW) for s in stores}
         self.loaded_blocks: dict[str, int] = {s.name: 0 for s in stores}
         self.skipped_slower: dict[str, int] = {s.name: 0 for s in stores}
         self.write_seconds = 0.0  # reading blocks out of the pool for write-through (copy)
+        self.write_blocks_seconds = 0.0  # copying loaded blocks into the pool
 
     # -- keys -----------------------------------------------------------------------------------
     def keys(self, req, n_blocks: int) -> list[bytes]:
@@ -95,9 +102,15 @@ class KVTiers:
         if prefill >= self.block_size and sched.num_batched_tokens:
             self.recompute_s_per_token = self._ewma(self.recompute_s_per_token, seconds / sched.num_batched_tokens)
 
+    def _observe_load(self, name: str, seconds: float) -> None:
+        w = self._load_samples[name]
+        w.append(seconds)
+        self.load_s_per_block[name] = statistics.median(w)
+
     def _worth_loading(self, store: FileStore) -> bool:
         load, rate = self.load_s_per_block[store.name], self.recompute_s_per_token
-        if load is None or rate is None or load <= rate * self.block_size:
+        if (len(self._load_samples[store.name]) < MIN_LOAD_SAMPLES or rate is None
+                or load <= rate * self.block_size):
             return True
         self.skipped_slower[store.name] += 1
         return self.skipped_slower[store.name] % PROBE_EVERY == 0  # re-measure now and then
@@ -125,7 +138,7 @@ class KVTiers:
             if i0 == len(hashes):
                 continue
             keys = self.keys(req, len(hashes))
-            found: list[tuple[str, bytes, float]] = []
+            found: list[tuple[str, bytes]] = []
             for i in range(i0, min(len(hashes), i0 + room)):
                 got = None
                 for st in self.stores:
@@ -133,8 +146,10 @@ class KVTiers:
                         continue
                     t0 = self.clock()
                     payload = st.get(keys[i], toks[i * bs:(i + 1) * bs], self.payload_len)
-                    if payload is not None:
-                        got = (st.name, payload, self.clock() - t0)
+                    dt = self.clock() - t0
+                    if payload is not None:  # measured per read, so a slow tier is noticed within one request
+                        self._observe_load(st.name, dt)
+                        got = (st.name, payload)
                         break
                 if got is None:
                     break
@@ -148,15 +163,13 @@ class KVTiers:
                     continue
                 new = pool.allocate(n)
                 t0 = self.clock()
-                data = torch.frombuffer(bytearray(b"".join(p for _, p, _ in found[:n])), dtype=torch.uint8)
+                data = torch.frombuffer(bytearray(b"".join(p for _, p in found[:n])), dtype=torch.uint8)
                 self.runner.write_blocks([b.block_id for b in new], data.view(n, self.payload_len))
-                per_block_write = (self.clock() - t0) / n
+                self.write_blocks_seconds += self.clock() - t0
                 for j, b in enumerate(new):
                     i = i0 + j
                     pool.register(b, hashes[i], toks[i * bs:(i + 1) * bs])
-                    name, _, dt = found[j]
-                    self.loaded_blocks[name] += 1
-                    self.load_s_per_block[name] = self._ewma(self.load_s_per_block[name], dt + per_block_write)
+                    self.loaded_blocks[found[j][0]] += 1
                 pool.release(list(reversed(new)))  # free but cached, most recently used; tail evicted first
                 total += n
             finally:
@@ -201,7 +214,7 @@ class KVTiers:
                 "errors": s.errors, "stores": s.stores, "evictions": s.evictions, "bytes_read": s.bytes_read,
                 "bytes_written": s.bytes_written, "load_seconds": s.load_seconds, "store_seconds": s.store_seconds,
                 "loaded_blocks": self.loaded_blocks[st.name], "skipped_slower": self.skipped_slower[st.name],
-                "load_seconds_per_block_ewma": self.load_s_per_block[st.name] or 0.0,
+                "load_seconds_per_block": self.load_s_per_block[st.name] or 0.0,
                 "slow_reads": s.extra.get("slow_reads", 0)}
         return out
 
