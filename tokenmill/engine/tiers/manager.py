@@ -214,8 +214,7 @@ class KVTiers:
                 "errors": s.errors, "stores": s.stores, "evictions": s.evictions, "bytes_read": s.bytes_read,
                 "bytes_written": s.bytes_written, "load_seconds": s.load_seconds, "store_seconds": s.store_seconds,
                 "loaded_blocks": self.loaded_blocks[st.name], "skipped_slower": self.skipped_slower[st.name],
-                "load_seconds_per_block": self.load_s_per_block[st.name] or 0.0,
-                "slow_reads": s.extra.get("slow_reads", 0)}
+                "load_seconds_per_block": self.load_s_per_block[st.name] or 0.0}
         return out
 
     def describe(self) -> str:

@@ -37,7 +37,7 @@ import threading
 import time
 import zlib
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tokenmill.engine.tiers.keys import KEY_BYTES
 
@@ -87,17 +87,14 @@ class StoreStats:
     bytes_written: int = 0
     load_seconds: float = 0.0
     store_seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 class FileStore:
-    def __init__(self, name: str, path: str, capacity_bytes: int, fsync: bool = False, low_watermark: float = 0.9,
-                 read_timeout_s: float | None = None):
+    def __init__(self, name: str, path: str, capacity_bytes: int, fsync: bool = False, low_watermark: float = 0.9):
         if capacity_bytes <= 0:
             raise ValueError(f"{name} tier: capacity must be > 0 bytes")
         self.name, self.path, self.capacity = name, os.path.abspath(path), int(capacity_bytes)
         self.fsync, self.low_watermark = fsync, low_watermark
-        self.read_timeout_s = read_timeout_s  # a read slower than this is counted (and drives the cost model)
         self.stats = StoreStats()
         self._tlock = threading.Lock()
         self._lock_fd: int | None = None
@@ -206,8 +203,6 @@ class FileStore:
         self.stats.hits += 1
         self.stats.bytes_read += len(data)
         self.stats.load_seconds += dt
-        if self.read_timeout_s is not None and dt > self.read_timeout_s:
-            self.stats.extra["slow_reads"] = self.stats.extra.get("slow_reads", 0) + 1
         return payload
 
     def put(self, key: bytes, token_ids, payload) -> bool:
