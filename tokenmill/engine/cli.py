@@ -26,22 +26,36 @@ def add_engine_args(p, default_model: str = "demo") -> None:
                    help="turn prefix caching off (on by default)")
     p.add_argument("--max-waiting-requests", type=int, default=4096, help="bounded waiting queue")
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch")
+    p.add_argument("--kv-host-bytes", default="0",
+                   help="host DRAM KV tier (files on /dev/shm shared by the workers of this host), e.g. 8GiB; 0: off")
+    p.add_argument("--kv-host-dir", default=None, help="host tier directory (default /dev/shm/tokenmill-kv)")
+    p.add_argument("--kv-disk-dir", default=None, help="disk KV tier directory (needs --kv-disk-bytes)")
+    p.add_argument("--kv-disk-bytes", default="0", help="disk KV tier capacity, e.g. 100GiB")
+    p.add_argument("--kv-disk-fsync", action="store_true",
+                   help="fsync every disk tier entry before renaming it into place (default: no fsync; "
+                        "checksums turn entries lost to a power failure into misses)")
 
 
 def engine_config_from_args(args):
     from tokenmill.engine.config import EngineConfig, parse_bytes
     from tokenmill.cli import CLIError
 
-    try:
-        kv = parse_bytes(args.kv_cache_bytes)
-    except ValueError:
-        raise CLIError(f"--kv-cache-bytes: cannot parse {args.kv_cache_bytes!r} (e.g. 512MiB, 4GiB)") from None
+    def size(flag: str, v):
+        try:
+            return parse_bytes(v)
+        except ValueError:
+            raise CLIError(f"{flag}: cannot parse {v!r} (e.g. 512MiB, 4GiB)") from None
+
+    kv = size("--kv-cache-bytes", args.kv_cache_bytes)
+    host, disk = size("--kv-host-bytes", args.kv_host_bytes), size("--kv-disk-bytes", args.kv_disk_bytes)
+    tiers = dict(kv_host_bytes=host, kv_host_dir=args.kv_host_dir, kv_disk_dir=args.kv_disk_dir,
+                 kv_disk_bytes=disk, kv_disk_fsync=args.kv_disk_fsync)
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                         kv_cache_dtype=args.kv_cache_dtype, kv_cache_bytes=kv,
                         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching,
-                        max_waiting_requests=args.max_waiting_requests, num_threads=args.num_threads)
+                        max_waiting_requests=args.max_waiting_requests, num_threads=args.num_threads, **tiers)
 
 
 def add_parser(sub) -> None:

@@ -38,9 +38,17 @@ class EngineConfig:
     max_waiting_requests: int = 4096  # bounded waiting queue: add_request refuses beyond it
     seed: int = 0  # for requests without their own seed
     num_threads: int | None = None  # CPU: torch threads (default: torch's choice)
+    # KV tiers below the pool (0 / None: off). Host: files on tmpfs, shared by every worker on the host.
+    kv_host_bytes: int = 0  # host DRAM tier capacity (shared by all workers using the same kv_host_dir)
+    kv_host_dir: str | None = None  # default /dev/shm/tokenmill-kv (only with kv_host_bytes)
+    kv_disk_dir: str | None = None  # disk tier directory (needs kv_disk_bytes)
+    kv_disk_bytes: int = 0  # disk tier capacity
+    kv_disk_fsync: bool = False  # fsync each disk entry before its rename (durability across power loss)
 
     def __post_init__(self):
         self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes)
+        self.kv_host_bytes = parse_bytes(self.kv_host_bytes or 0)
+        self.kv_disk_bytes = parse_bytes(self.kv_disk_bytes or 0)
         checks = [
             (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size must be a power of two <= 256"),
             (self.kv_cache_bytes > 0, "kv_cache_bytes must be > 0"),
@@ -52,10 +60,21 @@ class EngineConfig:
             (self.quantization in ("none", "int8"), f"unknown quantization {self.quantization!r} (none|int8)"),
             (self.kv_cache_dtype in ("auto", "float32", "bfloat16", "int8"),
              f"unknown kv_cache_dtype {self.kv_cache_dtype!r} (auto|float32|bfloat16|int8)"),
+            (self.kv_host_bytes >= 0 and self.kv_disk_bytes >= 0, "kv_host_bytes and kv_disk_bytes must be >= 0"),
+            (self.kv_host_dir is None or self.kv_host_bytes > 0, "kv_host_dir (--kv-host-dir) is set but kv_host_bytes (--kv-host-bytes) is 0"),
+            (self.kv_disk_dir is None or self.kv_disk_bytes > 0, "kv_disk_dir (--kv-disk-dir) is set but kv_disk_bytes (--kv-disk-bytes) is 0"),
+            (self.kv_disk_bytes == 0 or self.kv_disk_dir, "kv_disk_bytes (--kv-disk-bytes) is set but kv_disk_dir (--kv-disk-dir) is not"),
+            (not self.kv_disk_fsync or self.kv_disk_dir, "kv_disk_fsync (--kv-disk-fsync) is set but kv_disk_dir (--kv-disk-dir) is not"),
+            (self.enable_prefix_caching or not (self.kv_host_bytes or self.kv_disk_dir),
+             "KV tiers (kv_host_bytes / kv_disk_dir) need prefix caching (blocks are found by their hash)"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise TokenmillError(f"EngineConfig: {msg}")
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return bool(self.kv_host_bytes or self.kv_disk_dir)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

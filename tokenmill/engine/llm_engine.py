@@ -4,6 +4,7 @@ the server runs it in its own thread, the simulator swaps the runner for a cost 
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -58,6 +59,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, c.max_waiting_requests),
                                    self.kv)
+        self.tiers = self._make_tiers(window) if c.kv_tiers_enabled else None
         self.sampler = Sampler(c.seed)
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -70,6 +72,33 @@ class LLMEngine:
         self.last_step_prefill_tokens = 0
         self.prompt_tokens_total = 0  # prompt tokens of admitted requests
         self.generation_tokens_total = 0
+
+    def _make_tiers(self, window):
+        import os
+
+        from tokenmill.engine.tiers.keys import model_fingerprint, weights_digest
+        from tokenmill.engine.tiers.manager import KVTiers
+        from tokenmill.engine.tiers.store import FileStore
+
+        c = self.config
+        fp = model_fingerprint(weights_digest(self.model_path), self.model_config.architecture,
+                               str(self.dtype).replace("torch.", ""), str(self.kv_dtype).replace("torch.", ""),
+                               c.block_size, c.quantization, self.runner.kv_block_layout(), window)
+        stores = []
+        specs = []
+        if c.kv_host_bytes:
+            specs.append(("host", c.kv_host_dir or "/dev/shm/tokenmill-kv", c.kv_host_bytes, False, "kv_host_dir"))
+        if c.kv_disk_dir:
+            specs.append(("disk", c.kv_disk_dir, c.kv_disk_bytes, c.kv_disk_fsync, "kv_disk_dir"))
+        for name, path, cap, fsync, opt in specs:
+            try:
+                stores.append(FileStore(name, os.path.expanduser(path), cap, fsync=fsync))
+            except OSError as e:
+                raise ModelLoadError(f"{opt}={path!r}: cannot use it for the {name} KV tier: {e}") from None
+        return KVTiers(stores, fp, self.runner, self.kv)
+
+    def _waiting_requests(self) -> list[Request]:
+        return sorted(self.scheduler.waiting_requests(), key=lambda r: r.waiting_key)  # the order they are admitted
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -130,6 +159,11 @@ class LLMEngine:
     def step(self, now: float | None = None, token_budget: int | None = None) -> list[RequestOutput]:
         """Schedule, execute, and make output. `now`: the caller's clock for TTFT deadlines (None: ignore
         them); `token_budget`: at most this many tokens in this step (default max_num_batched_tokens)."""
+        if self.tiers is not None:
+            try:
+                self.tiers.load_for_waiting(self._waiting_requests())
+            except Exception:  # noqa: BLE001 - a tier failure is a miss, never a failed step
+                log.exception("KV tier load failed")
         sched = self.scheduler.schedule(now, token_budget)
         self.last_first_scheduled = sched.first_scheduled  # for callers that time the waiting phase
         self.last_step_decodes = sum(1 for s in sched.seqs if len(s.token_ids) == 1 and s.num_logits)
@@ -138,10 +172,18 @@ class LLMEngine:
             return []
         self.num_steps += 1
         try:
+            t0 = time.perf_counter()
             model_out = self.runner.execute(sched)
+            exec_s = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - fail the batch, not the engine
             log.exception("model execution failed")
             return self._fail_batch(sched, f"engine error: {type(e).__name__}: {e}")
+        if self.tiers is not None:
+            try:
+                self.tiers.observe_step(exec_s, sched)
+                self.tiers.store_computed(sched, self.scheduler.requests)  # write-through, before blocks are freed
+            except Exception:  # noqa: BLE001
+                log.exception("KV tier store failed")
         return self._postprocess(sched, model_out)
 
     def _postprocess(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
@@ -205,6 +247,8 @@ class LLMEngine:
         return outputs
 
     def _forget(self, request_id: str) -> None:
+        if self.tiers is not None:
+            self.tiers.forget(request_id)
         self._detok.pop(request_id, None)
         self._gens.pop(request_id, None)
 
@@ -218,7 +262,7 @@ class LLMEngine:
             prefix_cache_queries_tokens=self.kv.prefix_queries_tokens,
             prefix_cache_hits_tokens=self.kv.prefix_hits_tokens,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
-            num_steps=self.num_steps)
+            num_steps=self.num_steps, kv_tiers=self.tiers.stats() if self.tiers is not None else {})
 
     def _weights_note(self) -> str:
         if self.model_config.quantization:
@@ -232,4 +276,5 @@ class LLMEngine:
                 f"{self.device} in {str(self.dtype).replace('torch.', '')}"
                 f"{self._weights_note()}; KV cache ({str(self.kv_dtype).replace('torch.', '')}) {self.kv.pool.num_blocks} "
                 f"blocks x {c.block_size} = {self.kv_capacity_tokens} tokens; max_model_len {self.max_model_len}; "
-                f"prefix caching {'on' if c.enable_prefix_caching else 'off'}; {capabilities().summary()}")
+                f"prefix caching {'on' if c.enable_prefix_caching else 'off'}; "
+                f"{self.tiers.describe() + '; ' if self.tiers is not None else ''}{capabilities().summary()}")

@@ -50,6 +50,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_steps: int
+    kv_tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # tier name -> counters (KVTiers.stats)
 
     @property
     def kv_usage(self) -> float:

@@ -96,6 +96,45 @@ class ModelRunner:
         for t, c in zip(tensors, contents):
             t.index_copy_(1, idx, c.to(device=t.device, dtype=t.dtype))
 
+    # -- moving whole blocks (KV tiers, transfer) -------------------------------------------------
+    def _block_dims(self) -> list[tuple[torch.Tensor, int]]:
+        """kv_block_tensors() with their block dimension (1 for all of them today). A block's bytes are the
+        concatenation of its slices of these tensors in this order: an int8 cache's scales come with it."""
+        return [(t, 1) for t in self.kv_block_tensors()]
+
+    def kv_block_layout(self) -> list:
+        """What decides how a block's bytes are read back (part of the tier fingerprint)."""
+        return [[str(t.dtype).replace("torch.", ""), d, list(t.shape[:d]) + list(t.shape[d + 1:])]
+                for t, d in self._block_dims()]
+
+    @property
+    def block_nbytes(self) -> int:
+        return sum(t.element_size() * t.numel() // t.shape[d] for t, d in self._block_dims())
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[len(block_ids), block_nbytes] uint8 on the CPU: each row one block's bytes (all KV tensors)."""
+        idx = self._tensor(block_ids)
+        parts = []
+        for t, d in self._block_dims():
+            g = t.index_select(d, idx).movedim(d, 0).contiguous()
+            parts.append(g.reshape(len(block_ids), -1).view(torch.uint8))
+        return torch.cat(parts, dim=1).cpu() if len(parts) > 1 else parts[0].cpu()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Inverse of read_blocks: data [len(block_ids), block_nbytes] uint8 into those blocks."""
+        n = len(block_ids)
+        if tuple(data.shape) != (n, self.block_nbytes) or data.dtype != torch.uint8:
+            raise ValueError(f"write_blocks: expected uint8 [{n}, {self.block_nbytes}], got {data.dtype} {tuple(data.shape)}")
+        idx = self._tensor(block_ids)
+        data = data.to(self.device)
+        off = 0
+        for t, d in self._block_dims():
+            per = t.element_size() * t.numel() // t.shape[d]
+            shape = (n,) + tuple(t.shape[:d]) + tuple(t.shape[d + 1:])
+            src = data[:, off:off + per].contiguous().view(t.dtype).reshape(shape).movedim(0, d)
+            t.index_copy_(d, idx, src)
+            off += per
+
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
         return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t

@@ -208,3 +208,11 @@ class _EngineCollector:
         yield counter("tokenmill_preemptions", "Requests preempted (KV blocks reclaimed, recomputed later).",
                       s.num_preempted_total, mlab, mval)
         yield counter("tokenmill_engine_steps", "Engine steps.", s.num_steps, mlab, mval)
+        if s.kv_tiers:  # KV tiers below the pool (engine/tiers): one series per tier
+            from tokenmill.engine.tiers.manager import METRICS as TIER_METRICS
+
+            for key, name, doc, is_counter in TIER_METRICS:
+                fam = (CounterMetricFamily if is_counter else GaugeMetricFamily)(name, doc, labels=mlab + ["tier"])
+                for tier, t in s.kv_tiers.items():
+                    fam.add_metric(mval + [tier], t[key])
+                yield fam
