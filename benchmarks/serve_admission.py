@@ -186,10 +186,10 @@ def main() -> None:
           f" {args.duration:g} s of arrivals per point; out {out}")
     rows = []
     rates = [float(x) for x in args.sessions.split(",")]
-    for mode in args.modes.split(","):
-        for i, r in enumerate(rates):
+    for i, r in enumerate(rates):  # the modes of one load level back to back: drifts of the machine hit both
+        for j, mode in enumerate(args.modes.split(",")):
             t0 = time.time()
-            row = run_point(mode, r, args, out, args.port + i)
+            row = run_point(mode, r, args, out, args.port + i * 8 + j)
             row["wall_s"] = time.time() - t0
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
