@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from routing_common import _stop  # noqa: E402
 
 from tokenmill.hardware import capabilities  # noqa: E402
 
@@ -69,13 +69,7 @@ def wait_ready(p: subprocess.Popen, url: str, log: Path, timeout_s: float = 300.
 
 
 def stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        p.send_signal(signal.SIGINT)
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    _stop([p])
 
 
 def admission_figures(url: str) -> dict:

@@ -154,8 +154,16 @@ def add_dl(e, rid, n_prompt, deadline, priority=0, base=0, tpot=None, max_tokens
     return r
 
 
-def first_admitted(out):
-    return [s.request_id for s in out.seqs]
+def run_order(e, now=None):
+    """Schedule until done, finishing whatever ran at once (max_seqs=1: one request at a time); the order."""
+    order = []
+    while e.s.has_unfinished():
+        out = e.s.schedule(now=now)
+        for s in out.seqs:
+            if s.request_id not in order:
+                order.append(s.request_id)
+            e.s.finish(e.s.requests[s.request_id], RequestStatus.FINISHED_LENGTH)
+    return order
 
 
 def test_earliest_deadline_first_within_a_priority_level():
@@ -163,30 +171,14 @@ def test_earliest_deadline_first_within_a_priority_level():
     add_dl(e, "late-deadline", 4, deadline=10.0, base=0)
     add_dl(e, "early-deadline", 4, deadline=5.0, base=100)
     add_dl(e, "high-priority", 4, deadline=50.0, priority=-1, base=200)
-    order = []
-    for _ in range(20):
-        out = e.s.schedule(now=0.0)
-        for s in out.seqs:
-            if s.request_id not in order:
-                order.append(s.request_id)
-        for s in out.seqs:  # finish whatever ran: one request at a time (max_seqs=1)
-            e.s.finish(e.s.requests[s.request_id], RequestStatus.FINISHED_LENGTH)
-        if not e.s.has_unfinished():
-            break
-    assert order == ["high-priority", "early-deadline", "late-deadline"]
+    assert run_order(e, now=0.0) == ["high-priority", "early-deadline", "late-deadline"]
 
 
 def test_no_deadlines_is_fcfs():
     e = FakeEngine(budget=4, max_seqs=1)
     for i in range(3):
         e.add(f"r{i}", 4, base=100 * i)
-    order = []
-    while e.s.has_unfinished():
-        out = e.s.schedule(now=123.0)
-        for s in out.seqs:
-            order.append(s.request_id)
-            e.s.finish(e.s.requests[s.request_id], RequestStatus.FINISHED_LENGTH)
-    assert order == ["r0", "r1", "r2"]
+    assert run_order(e, now=123.0) == ["r0", "r1", "r2"]
 
 
 def test_a_request_past_its_deadline_yields_to_one_that_can_still_make_it():
@@ -194,13 +186,11 @@ def test_a_request_past_its_deadline_yields_to_one_that_can_still_make_it():
     add_dl(e, "missed", 4, deadline=1.0, base=0)  # earliest deadline, but already past at now=2
     add_dl(e, "on-time", 4, deadline=3.0, base=100)
     add_dl(e, "lower-priority", 4, deadline=2.5, priority=1, base=200)
-    order = []
-    while e.s.has_unfinished():
-        out = e.s.schedule(now=2.0)
-        assert e.s.num_waiting == len(e.s.waiting_requests())
-        for s in out.seqs:
-            order.append(s.request_id)
-            e.s.finish(e.s.requests[s.request_id], RequestStatus.FINISHED_LENGTH)
+    out = e.s.schedule(now=2.0)  # "missed" demoted; "on-time" admitted
+    assert [s.request_id for s in out.seqs] == ["on-time"]
+    assert e.s.num_late == 1 and e.s.num_waiting == len(e.s.waiting_requests()) == 2
+    e.s.finish(e.s.requests["on-time"], RequestStatus.FINISHED_LENGTH)
+    order = ["on-time"] + run_order(e, now=2.0)
     # the missed one goes after every on-time request of its priority level, not after lower priorities
     assert order == ["on-time", "missed", "lower-priority"]
     assert e.s.num_late == 0 and e.s.num_waiting == 0
@@ -253,10 +243,4 @@ def test_rank_orders_before_deadlines_within_a_priority_level():
     e.s.add(Request("cheap-late", list(range(100, 104)), SamplingParams(max_tokens=3), ttft_deadline=5.0, rank=0))
     e.s.add(Request("other-priority", list(range(200, 204)), SamplingParams(max_tokens=3), priority=-1,
                     ttft_deadline=9.0, rank=1))
-    order = []
-    while e.s.has_unfinished():
-        out = e.s.schedule(now=0.0)
-        for s in out.seqs:
-            order.append(s.request_id)
-            e.s.finish(e.s.requests[s.request_id], RequestStatus.FINISHED_LENGTH)
-    assert order == ["other-priority", "cheap-late", "expensive-early"]
+    assert run_order(e, now=0.0) == ["other-priority", "cheap-late", "expensive-early"]

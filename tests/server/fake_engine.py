@@ -126,15 +126,19 @@ class FakeEngine:
         decoding = [r for r in self.running.values() if r.started and r.prefilled >= len(r.prompt)]
         budget -= len(decoding)
         prefill_tokens, ready = 0, list(decoding)
-        for r in self.running.values():  # prompts already started go first (like the real scheduler)
-            if r in decoding or budget <= 0:
-                continue
+
+        def chunk_of(r):  # the next chunk of r's prompt within the budget left
+            nonlocal budget, prefill_tokens
             chunk = min(len(r.prompt) - r.prefilled, budget)
             r.prefilled += chunk
             budget -= chunk
             prefill_tokens += chunk
             if r.prefilled >= len(r.prompt):
                 ready.append(r)
+
+        for r in list(self.running.values()):  # prompts already started go first (like the real scheduler)
+            if r not in decoding and budget > 0:
+                chunk_of(r)
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             r = self.waiting.pop(0)
             self.running[r.rid] = r
@@ -145,12 +149,7 @@ class FakeEngine:
             self.c["queries"] += len(r.prompt)
             self.c["hits"] += r.cached
             self.c["prompt"] += len(r.prompt)
-            chunk = min(len(r.prompt) - r.prefilled, budget)
-            r.prefilled += chunk
-            budget -= chunk
-            prefill_tokens += chunk
-            if r.prefilled >= len(r.prompt):
-                ready.append(r)
+            chunk_of(r)
         self.last_step_decodes, self.last_step_prefill_tokens = len(decoding), prefill_tokens
         time.sleep(self.step_s + self.prefill_s_per_token * prefill_tokens)
         self.c["steps"] += 1
