@@ -244,3 +244,20 @@ def test_rank_orders_before_deadlines_within_a_priority_level():
     e.s.add(Request("other-priority", list(range(200, 204)), SamplingParams(max_tokens=3), priority=-1,
                     ttft_deadline=9.0, rank=1))
     assert run_order(e, now=0.0) == ["other-priority", "cheap-late", "expensive-early"]
+
+
+def test_cached_prefix_tokens_agrees_with_the_schedulers_lookup_and_reuses_hashes():
+    from tokenmill.engine.kv.hashing import block_hashes
+
+    e = FakeEngine(budget=64, max_seqs=8)
+    e.add("warm", 22, max_tokens=1)  # blocks [0..4), [4..8), ... registered as they fill
+    while e.s.has_unfinished():
+        e.step()
+    assert e.kv.cached_prefix_tokens(list(range(22))) == 20  # 5 full blocks; the last token is always computed
+    for prompt in (list(range(22)), list(range(13)) + [999] * 9, list(range(5)), [7], list(range(30))):
+        hashes = []
+        n = e.kv.cached_prefix_tokens(prompt, hashes)
+        _, expect = e.kv.get_computed_blocks(Request("q", prompt, SamplingParams()))
+        assert n == expect, (prompt, n, expect)
+        assert hashes == block_hashes(prompt, BS)[:len(hashes)]  # the chain, as far as it was walked
+        assert e.kv.cached_prefix_tokens(prompt, hashes) == n  # reused, same answer

@@ -97,7 +97,7 @@ class FakeEngine:
         return min((r.tpot_slo_s for r in self.running.values() if r.tpot_slo_s is not None
                     and r.started and r.prefilled >= len(r.prompt)), default=None)
 
-    def cached_prefix_tokens(self, prompt: list[int]) -> int:
+    def cached_prefix_tokens(self, prompt: list[int], hashes=None) -> int:
         bs, hit = self.block_size, 0
         for end in range(bs, len(prompt), bs):
             if not self.enable_prefix_caching or tuple(prompt[:end]) not in self.cached_blocks:

@@ -144,9 +144,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
-        """Prompt tokens the prefix cache would serve now (an estimate; safe from another thread)."""
-        return self.kv.cached_prefix_tokens(prompt_token_ids)
+    def cached_prefix_tokens(self, prompt_token_ids: list[int], hashes: list[int] | None = None) -> int:
+        """Prompt tokens the prefix cache would serve now (an estimate; safe from another thread). `hashes`:
+        a list the caller keeps per prompt, so a re-decided request is not hashed again."""
+        return self.kv.cached_prefix_tokens(prompt_token_ids, hashes)
 
     def tightest_tpot_slo_s(self) -> float | None:
         """The least TPOT promised to a request decoding now (None: none promised)."""

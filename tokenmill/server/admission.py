@@ -65,6 +65,7 @@ class ServerAdmissionConfig:
 class ServerCtx(RequestCtx):
     token_ids: list[int] = field(default_factory=list)
     cheap: bool = False  # its uncached prefill is small: admitted ahead of the others of its priority level
+    block_hashes: list[int] = field(default_factory=list)  # the prompt's block hashes, computed once
 
 
 @dataclass
@@ -99,7 +100,7 @@ class _EngineRouter(Router):
         lookup = getattr(self.engine, "cached_prefix_tokens", None)
         if not isinstance(ctx, ServerCtx):
             return 0, 0
-        hit = max(0, min(lookup(ctx.token_ids), ctx.prompt_tokens - 1)) if lookup is not None else 0
+        hit = max(0, min(lookup(ctx.token_ids, ctx.block_hashes), ctx.prompt_tokens - 1)) if lookup else 0
         ctx.cheap = 0 < ctx.prompt_tokens - hit <= self.cheap_prefill_tokens
         return hit, 0
 

@@ -44,19 +44,21 @@ class KVCacheManager:
             hits.append(b)
         return hits, len(hits) * bs
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+    def cached_prefix_tokens(self, token_ids: list[int], hashes: list[int] | None = None) -> int:
         """How many leading tokens of a prompt the prefix cache holds now, in whole blocks (the last token
         excluded: it is always recomputed). An estimate for admission control: it takes no reference (the
         blocks may be evicted before the request is scheduled) and only reads the cache's dict and block
-        fields, so another thread may call it while the engine steps (a block changing under it is a miss)."""
+        fields, so another thread may call it while the engine steps (a block changing under it is a miss).
+        `hashes`: the caller's cache of the prompt's block hashes (filled as far as needed, reused next time)."""
         if not self.enable_caching or len(token_ids) < 2:
             return 0
+        hashes = [] if hashes is None else hashes
         bs, n = self.block_size, 0
-        parent = ROOT_HASH
         for i in range((len(token_ids) - 1) // bs):
             toks = token_ids[i * bs:(i + 1) * bs]
-            parent = hash_block(parent, toks)
-            if self.pool.lookup(parent, toks) is None:
+            if i == len(hashes):
+                hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, toks))
+            if self.pool.lookup(hashes[i], toks) is None:
                 break
             n += bs
         return n
