@@ -210,7 +210,10 @@ def test_leading_admission_refuses_fast_and_accepted_requests_keep_their_slo():
             refused = [(t, ra) for st, t, ra in results if st == 429]
             assert len(ok) + len(refused) == 12 and 2 <= len(ok) <= 4, results  # ~one 0.4 s prefill per worker
             assert max(ok) <= 0.5 + 0.4  # accepted requests keep the TTFT SLO (+ slack for a loaded machine)
-            assert max(t for t, _ in refused) < 0.35 and all(int(ra) >= 1 for _, ra in refused)
+            # refused after at most max_wait (0.2 s) held, before the SLO would have run out: a refusal that
+            # arrives after the deadline saves the client nothing (the event loop's lag on a loaded machine
+            # is the slack between the two)
+            assert max(t for t, _ in refused) < interactive.ttft_slo_s and all(int(ra) >= 1 for _, ra in refused)
             text = router.metrics.render().decode()
             assert 'tokenmill_router_rejections_total{class="interactive",reason=' in text
     run(main())

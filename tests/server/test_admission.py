@@ -20,6 +20,7 @@ from tokenmill.router.classes import DEFAULT_CLASSES, WorkloadClass
 from tokenmill.server.admission import ServerAdmissionConfig
 
 from .fake_engine import FakeEngine
+from .load_client import burst, stream_ttft
 
 C = "/v1/completions"
 
@@ -28,36 +29,6 @@ def classes(**interactive):
     base = {c.name: c for c in DEFAULT_CLASSES}
     base["interactive"] = WorkloadClass(**{**base["interactive"].__dict__, **interactive})
     return tuple(base.values())
-
-
-async def stream_ttft(http, url, prompt, headers=None, max_tokens=4, body_extra=None):
-    """(status, TTFT seconds or None, Retry-After header, error code)."""
-    t0 = time.perf_counter()
-    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True, **(body_extra or {})}
-    async with http.post(url + C, json=body, headers=headers or {}) as r:
-        if r.status != 200:
-            err = await r.json()
-            return r.status, None, r.headers.get("Retry-After"), err["error"].get("code")
-        ttft = None
-        async for line in r.content:
-            if ttft is None and line.startswith(b"data: {"):
-                ttft = time.perf_counter() - t0
-        return 200, ttft, None, None
-
-
-def burst(url, n, interval_s, prompt_len, seed=0, headers=None, **kw):
-    rng = random.Random(seed)
-
-    async def main():
-        async with aiohttp.ClientSession() as http:
-            async def one(i):
-                await asyncio.sleep(i * interval_s)
-                prompt = [rng.randrange(10, 4000) for _ in range(prompt_len)]
-                return await stream_ttft(http, url, prompt, headers, **kw)
-
-            return await asyncio.gather(*(one(i) for i in range(n)))
-
-    return asyncio.run(main())
 
 
 def metric_samples(server, name):
@@ -206,11 +177,11 @@ def test_real_engine_overload(make_server, tmp_path):
     refused = [ra for st, _, ra, _ in results if st == 429]
     assert len(ok) + len(refused) == n, results
     assert refused and all(int(ra) >= 1 for ra in refused), (solo, len(ok))
-    # the client shares this process (and its GIL) with the server: its own TTFTs carry that delay too
-    assert len(ok) >= 5 and sum(t <= slo for t in ok) / len(ok) >= 0.6, (solo, slo, sorted(ok))
+    # the client runs in its own process (load_client.burst): these are the TTFTs a real client sees
+    misses = sum(x.value for x in metric_samples(s, "tokenmill_admission_ttft_deadline_misses_total"))
+    assert len(ok) >= 5 and sum(t <= slo for t in ok) / len(ok) >= 0.6, (solo, slo, misses, sorted(ok))
     # the server's own count (first tokens after arrival + SLO, among the admitted): a burst this short (~80
     # requests in < 1 s) leaves the miss-rate margin no time to learn; the fake-engine test holds the tight bound
-    misses = sum(x.value for x in metric_samples(s, "tokenmill_admission_ttft_deadline_misses_total"))
     admitted = sum(x.value for x in metric_samples(s, "tokenmill_admission_admitted_total"))
     assert misses <= 0.35 * admitted, (misses, admitted, solo)
 
