@@ -87,3 +87,16 @@ def test_slo_bounds_are_inclusive_and_optional():
 def test_no_cache_reports_means_no_hit_rate():
     s = summarize([rec("0", "x", 0.0, [0.1], end=0.1)], {}, 1.0)
     assert s.cached_tokens is None and s.prefix_cache_hit_rate is None and s.tpot_ms is None
+
+
+def test_bench_judges_goodput_by_the_serving_sides_default_classes():
+    """One source of default SLOs: what `tokenmill serve --admission` / `tokenmill route` admit for is what the
+    bench counts as good (a mismatch made the server refuse requests the bench would have counted good)."""
+    from tokenmill.bench.slo import SLO, resolve_slos
+    from tokenmill.router.classes import DEFAULT_CLASSES
+
+    slos = resolve_slos([], {"agent"})
+    for c in DEFAULT_CLASSES:
+        want = SLO() if c.sheddable else SLO(ttft_ms=c.ttft_slo_s * 1000, tpot_ms=c.tpot_slo_s * 1000)
+        assert slos[c.name] == want, c.name
+    assert resolve_slos(["agent:tpot=250"], set())["agent"].tpot_ms == 250.0

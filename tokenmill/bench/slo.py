@@ -20,12 +20,18 @@ class SLO:
         return {"ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms, "e2e_ms": self.e2e_ms}
 
 
+def _default_slos() -> dict[str, SLO]:
+    """The serving side's workload classes (tokenmill/router/classes.py) are the one source of the defaults;
+    a sheddable class (batch) has no latency SLO to be judged by: its bounds there only limit how long a
+    request is held."""
+    from tokenmill.router.classes import DEFAULT_CLASSES
+
+    return {c.name: SLO() if c.sheddable else SLO(ttft_ms=c.ttft_slo_s * 1000.0, tpot_ms=c.tpot_slo_s * 1000.0)
+            for c in DEFAULT_CLASSES}
+
+
 # Defaults per class; documented in docs/benchmarks/bench.md, overridden with --slo.
-DEFAULT_SLOS: dict[str, SLO] = {
-    "interactive": SLO(ttft_ms=1000.0, tpot_ms=100.0),
-    "agent": SLO(ttft_ms=4000.0, tpot_ms=100.0),
-    "batch": SLO(),
-}
+DEFAULT_SLOS: dict[str, SLO] = _default_slos()
 
 _KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms"}
 

@@ -39,9 +39,11 @@ class WorkloadClass:
         return arrival_s + max(0.0, min(self.max_wait_s, self.ttft_slo_s - min_ttft_s))
 
 
+# The one source of the default SLOs: the router, `tokenmill serve`'s admission and `tokenmill bench`'s
+# goodput (tokenmill/bench/slo.py derives its defaults from these) judge a request by the same bounds.
 DEFAULT_CLASSES: tuple[WorkloadClass, ...] = (
     WorkloadClass("interactive", ttft_slo_s=1.0, tpot_slo_s=0.10, priority=0, max_queue=64, max_wait_s=0.5),
-    WorkloadClass("agent", ttft_slo_s=3.0, tpot_slo_s=0.20, priority=1, max_queue=128, max_wait_s=2.0),
+    WorkloadClass("agent", ttft_slo_s=4.0, tpot_slo_s=0.10, priority=1, max_queue=128, max_wait_s=2.0),
     WorkloadClass(
         "batch", ttft_slo_s=60.0, tpot_slo_s=1.0, priority=2, sheddable=True, max_queue=256, max_wait_s=30.0
     ),
