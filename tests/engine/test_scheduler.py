@@ -261,3 +261,24 @@ def test_cached_prefix_tokens_agrees_with_the_schedulers_lookup_and_reuses_hashe
         assert n == expect, (prompt, n, expect)
         assert hashes == block_hashes(prompt, BS)[:len(hashes)]  # the chain, as far as it was walked
         assert e.kv.cached_prefix_tokens(prompt, hashes) == n  # reused, same answer
+
+
+def test_parked_request_waits_while_others_are_scheduled_and_returns_to_its_place():
+    """A request whose KV is being loaded is parked: never admitted, still counted as waiting; unparked it
+    goes in its (priority, arrival) place; finishing it while parked frees it like any waiting request."""
+    e = FakeEngine(budget=64)
+    a, b, c = e.add("a", 8, priority=0), e.add("b", 8, priority=0), e.add("c", 8, priority=1)
+    assert e.s.park("a") and not e.s.park("a") and not e.s.park("nope")
+    assert e.s.num_waiting == 3 and e.s.has_unfinished()
+    assert [s.request_id for s in e.step().seqs] == ["b", "c"]  # a is set aside, the others go on
+    assert a.status is RequestStatus.WAITING and a.num_computed_tokens == 0
+    assert a in e.s.waiting_requests() and a not in e.s.waiting_requests(include_parked=False)
+    e.s.unpark("a")
+    assert "a" in [s.request_id for s in e.step().seqs]
+    d = e.add("d", 8)
+    e.s.park("d")
+    e.s.finish(d, RequestStatus.FINISHED_ABORTED)
+    assert "d" not in e.s.parked and "d" not in e.s.requests
+    while e.s.has_unfinished():
+        e.step()
+    assert all(len(r.output_token_ids) == 3 for r in (a, b, c))

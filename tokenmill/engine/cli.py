@@ -34,6 +34,9 @@ def add_engine_args(p, default_model: str = "demo") -> None:
     p.add_argument("--kv-disk-fsync", action="store_true",
                    help="fsync every disk tier entry before renaming it into place (default: no fsync; "
                         "checksums turn entries lost to a power failure into misses)")
+    p.add_argument("--kv-load-timeout", type=float, default=1.0, metavar="SECONDS",
+                   help="a KV tier load still running after this long is abandoned and the request recomputes "
+                        "(a hung or very slow disk); default 1.0")
 
 
 def engine_config_from_args(args):
@@ -49,7 +52,8 @@ def engine_config_from_args(args):
     kv = size("--kv-cache-bytes", args.kv_cache_bytes)
     host, disk = size("--kv-host-bytes", args.kv_host_bytes), size("--kv-disk-bytes", args.kv_disk_bytes)
     tiers = dict(kv_host_bytes=host, kv_host_dir=args.kv_host_dir, kv_disk_dir=args.kv_disk_dir,
-                 kv_disk_bytes=disk, kv_disk_fsync=args.kv_disk_fsync)
+                 kv_disk_bytes=disk, kv_disk_fsync=args.kv_disk_fsync,
+                 kv_load_timeout_s=args.kv_load_timeout)
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
                         kv_cache_dtype=args.kv_cache_dtype, kv_cache_bytes=kv,
                         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -44,6 +44,7 @@ class EngineConfig:
     kv_disk_dir: str | None = None  # disk tier directory (needs kv_disk_bytes)
     kv_disk_bytes: int = 0  # disk tier capacity
     kv_disk_fsync: bool = False  # fsync each disk entry before its rename (durability across power loss)
+    kv_load_timeout_s: float = 1.0  # a tier load running longer is abandoned: the request recomputes
 
     def __post_init__(self):
         self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes)
@@ -65,6 +66,8 @@ class EngineConfig:
             (self.kv_disk_dir is None or self.kv_disk_bytes > 0, "kv_disk_dir (--kv-disk-dir) is set but kv_disk_bytes (--kv-disk-bytes) is 0"),
             (self.kv_disk_bytes == 0 or self.kv_disk_dir, "kv_disk_bytes (--kv-disk-bytes) is set but kv_disk_dir (--kv-disk-dir) is not"),
             (not self.kv_disk_fsync or self.kv_disk_dir, "kv_disk_fsync (--kv-disk-fsync) is set but kv_disk_dir (--kv-disk-dir) is not"),
+            (self.kv_load_timeout_s > 0 and self.kv_load_timeout_s == self.kv_load_timeout_s
+             and self.kv_load_timeout_s != float("inf"), "kv_load_timeout_s (--kv-load-timeout) must be a finite number > 0"),
             (self.enable_prefix_caching or not (self.kv_host_bytes or self.kv_disk_dir),
              "KV tiers (kv_host_bytes / kv_disk_dir) need prefix caching (blocks are found by their hash)"),
         ]

@@ -25,6 +25,8 @@ from tokenmill.model.tokenizer import Tokenizer
 
 log = logging.getLogger("tokenmill.engine")
 
+TIER_IDLE_WAIT_S = 0.005  # a step with only parked requests waits this long at most for a tier load
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
@@ -95,10 +97,7 @@ class LLMEngine:
                 stores.append(FileStore(name, os.path.expanduser(path), cap, fsync=fsync))
             except OSError as e:
                 raise ModelLoadError(f"{opt}={path!r}: cannot use it for the {name} KV tier: {e}") from None
-        return KVTiers(stores, fp, self.runner, self.kv)
-
-    def _waiting_requests(self) -> list[Request]:
-        return sorted(self.scheduler.waiting_requests(), key=lambda r: r.waiting_key)  # the order they are admitted
+        return KVTiers(stores, fp, self.runner, self.kv, load_timeout_s=c.kv_load_timeout_s)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -161,15 +160,16 @@ class LLMEngine:
         """Schedule, execute, and make output. `now`: the caller's clock for TTFT deadlines (None: ignore
         them); `token_budget`: at most this many tokens in this step (default max_num_batched_tokens)."""
         if self.tiers is not None:
-            try:
-                self.tiers.load_for_waiting(self._waiting_requests())
-            except Exception:  # noqa: BLE001 - a tier failure is a miss, never a failed step
-                log.exception("KV tier load failed")
+            self._tier_loads()
         sched = self.scheduler.schedule(now, token_budget)
+        if self.tiers is not None and sched.preempted:
+            self.tiers.preempted(sched.preempted)
         self.last_first_scheduled = sched.first_scheduled  # for callers that time the waiting phase
         self.last_step_decodes = sum(1 for s in sched.seqs if len(s.token_ids) == 1 and s.num_logits)
         self.last_step_prefill_tokens = sched.num_batched_tokens - self.last_step_decodes
         if sched.empty:
+            if self.tiers is not None and self.tiers.loading:  # only parked requests: wait for a load, briefly
+                self.tiers.wait(min(TIER_IDLE_WAIT_S, self.tiers.next_deadline() - time.perf_counter()))
             return []
         self.num_steps += 1
         try:
@@ -186,6 +186,26 @@ class LLMEngine:
             except Exception:  # noqa: BLE001
                 log.exception("KV tier store failed")
         return self._postprocess(sched, model_out)
+
+    def _tier_loads(self) -> None:
+        """Tier loads run beside the steps (engine/tiers/manager.py): install the finished ones (their requests
+        return to the waiting order), then queue reads for the next waiting requests (parked meanwhile)."""
+        t = time.perf_counter()  # load deadlines are the engine's own, on its own clock: not the scheduler's
+        try:
+            for rid in self.tiers.complete(t):
+                self.scheduler.unpark(rid)
+            waiting = sorted(self.scheduler.waiting_requests(include_parked=False), key=lambda r: r.waiting_key)
+            for rid in self.tiers.prefetch(waiting, t):
+                self.scheduler.park(rid)
+        except Exception:  # noqa: BLE001 - a tier failure is a miss, never a failed step or a stuck request
+            log.exception("KV tier load failed")
+            try:
+                for rid in self.tiers.cancel_all():
+                    self.scheduler.unpark(rid)
+            except Exception:  # noqa: BLE001
+                log.exception("KV tier cancel failed")
+            for rid in list(self.scheduler.parked):
+                self.scheduler.unpark(rid)
 
     def _postprocess(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
         seqs = [(i, s) for i, s in enumerate(sched.seqs) if s.num_logits > 0]
@@ -263,7 +283,8 @@ class LLMEngine:
             prefix_cache_queries_tokens=self.kv.prefix_queries_tokens,
             prefix_cache_hits_tokens=self.kv.prefix_hits_tokens,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
-            num_steps=self.num_steps, kv_tiers=self.tiers.stats() if self.tiers is not None else {})
+            num_steps=self.num_steps, kv_tiers=self.tiers.stats() if self.tiers is not None else {},
+            kv_tiers_engine=self.tiers.engine_stats() if self.tiers is not None else {})
 
     def _weights_note(self) -> str:
         if self.model_config.quantization:

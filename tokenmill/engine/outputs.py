@@ -51,6 +51,7 @@ class EngineStats:
     generation_tokens_total: int
     num_steps: int
     kv_tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # tier name -> counters (KVTiers.stats)
+    kv_tiers_engine: dict[str, float] = field(default_factory=dict)  # the tiers as a whole (KVTiers.engine_stats)
 
     @property
     def kv_usage(self) -> float:

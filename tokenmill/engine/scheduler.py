@@ -14,6 +14,10 @@ level (served later, in arrival order), so it does not take the place of one tha
 The step's token budget can be lowered per step (`schedule(token_budget=...)`): the caller sizes it so the
 step stays within the TPOT of the requests decoding (engine/step_budget.py).
 
+Parked requests (`park` / `unpark`): a waiting request whose KV is being brought in from elsewhere (a KV tier
+now; another worker under prefill/decode disaggregation) is set aside, not admitted, while the others are
+scheduled around it; unparked, it returns to its place in the waiting order. It still counts as waiting.
+
 No clock and no I/O: the same code runs under the real engine and under the simulator's virtual clock.
 """
 
@@ -68,6 +72,7 @@ class Scheduler:
         self.waiting: list[tuple[tuple, Request]] = []  # heap by Request.waiting_key (priority, deadline, seq)
         self.late: list[tuple[tuple, Request]] = []  # waiting requests past their TTFT deadline: (priority, seq)
         self.running: list[Request] = []
+        self.parked: dict[str, Request] = {}  # waiting requests set aside while their KV loads (not admitted)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._arrivals = 0
@@ -82,12 +87,35 @@ class Scheduler:
     def _push_waiting(self, req: Request) -> None:
         heapq.heappush(self.waiting, (req.waiting_key, req))
 
-    def waiting_requests(self) -> list[Request]:
-        return [r for _, r in self.waiting] + [r for _, r in self.late]
+    def waiting_requests(self, include_parked: bool = True) -> list[Request]:
+        out = [r for _, r in self.waiting] + [r for _, r in self.late]
+        return out + list(self.parked.values()) if include_parked else out
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.late)
+        return len(self.waiting) + len(self.late) + len(self.parked)
+
+    def park(self, request_id: str) -> bool:
+        """Set a waiting request aside (not admitted) until `unpark`; False if it is not waiting."""
+        req = self.requests.get(request_id)
+        if req is None or request_id in self.parked or not self._remove_waiting(req):
+            return False
+        self.parked[request_id] = req
+        return True
+
+    def unpark(self, request_id: str) -> None:
+        req = self.parked.pop(request_id, None)
+        if req is not None:
+            self._push_waiting(req)  # a deadline that passed meanwhile demotes it at the next schedule()
+
+    def _remove_waiting(self, req: Request) -> bool:
+        for heap in (self.waiting, self.late):
+            idx = next((i for i, (_, r) in enumerate(heap) if r is req), None)
+            if idx is not None:
+                heap.pop(idx)
+                heapq.heapify(heap)
+                return True
+        return False
 
     @property
     def num_late(self) -> int:
@@ -98,19 +126,15 @@ class Scheduler:
         return len(self.running)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.late or self.running)
+        return bool(self.waiting or self.late or self.running or self.parked)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Remove a request (finished, aborted, failed) and free its blocks at once."""
         req.status = status
         if req in self.running:
             self.running.remove(req)
-        else:
-            for heap in (self.waiting, self.late):
-                idx = next((i for i, (_, r) in enumerate(heap) if r is req), None)
-                if idx is not None:
-                    heap.pop(idx)
-                    heapq.heapify(heap)
+        elif self.parked.pop(req.request_id, None) is None:
+            self._remove_waiting(req)
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
 

@@ -216,3 +216,10 @@ class _EngineCollector:
                 for tier, t in s.kv_tiers.items():
                     fam.add_metric(mval + [tier], t[key])
                 yield fam
+            from tokenmill.engine.tiers.manager import ENGINE_METRICS
+
+            for key, name, doc, is_counter in ENGINE_METRICS:
+                if key in s.kv_tiers_engine:
+                    fam = (CounterMetricFamily if is_counter else GaugeMetricFamily)(name, doc, labels=mlab)
+                    fam.add_metric(mval, s.kv_tiers_engine[key])
+                    yield fam

@@ -97,6 +97,7 @@ class FileStore:
         self.fsync, self.low_watermark = fsync, low_watermark
         self.stats = StoreStats()
         self._tlock = threading.Lock()
+        self._stats_lock = threading.Lock()
         self._lock_fd: int | None = None
         os.makedirs(self.path, exist_ok=True)
         for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
@@ -110,7 +111,7 @@ class FileStore:
                 self._cleanup_temp()
                 self._write_usage(self._scan()[0])
         except OSError:
-            self.stats.errors += 1
+            self.count(errors=1)
 
     # -- paths and the shared usage counter ----------------------------------------------------
     def _file(self, key: bytes) -> str:
@@ -171,6 +172,12 @@ class FileStore:
     def usage(self) -> int:
         return self._scan()[0]
 
+    def count(self, **deltas) -> None:
+        """Add to the stats (the engine thread and the tier I/O threads all count here)."""
+        with self._stats_lock:
+            for k, v in deltas.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
+
     # -- the interface --------------------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
         return os.path.exists(self._file(key))
@@ -183,26 +190,22 @@ class FileStore:
             with open(path, "rb") as f:  # an unlink by an evicting process after open leaves this read intact
                 data = f.read(HEADER.size + 8 * len(token_ids) + payload_len + 1)
         except FileNotFoundError:
-            self.stats.misses += 1
+            self.count(misses=1)
             return None
         except OSError:
-            self.stats.errors += 1
-            self.stats.misses += 1
+            self.count(errors=1, misses=1)
             return None
         payload = decode_entry(data, key, token_ids, payload_len)
         dt = time.perf_counter() - t0
         if payload is None:
-            self.stats.corrupt += 1
-            self.stats.misses += 1
+            self.count(corrupt=1, misses=1)
             self._drop(path)
             return None
         try:
             _touch(path)  # LRU: a hit is a use
         except OSError:
             pass
-        self.stats.hits += 1
-        self.stats.bytes_read += len(data)
-        self.stats.load_seconds += dt
+        self.count(hits=1, bytes_read=len(data), load_seconds=dt)
         return payload
 
     def put(self, key: bytes, token_ids, payload) -> bool:
@@ -233,11 +236,9 @@ class FileStore:
                     raise
                 self._write_usage(usage + len(data))
         except OSError:
-            self.stats.errors += 1
+            self.count(errors=1)
             return False
-        self.stats.stores += 1
-        self.stats.bytes_written += len(data)
-        self.stats.store_seconds += time.perf_counter() - t0
+        self.count(stores=1, bytes_written=len(data), store_seconds=time.perf_counter() - t0)
         return True
 
     def _evict(self, incoming: int) -> int:
@@ -249,7 +250,7 @@ class FileStore:
             if total + incoming <= target:
                 break
             if _unlink(p):
-                self.stats.evictions += 1
+                self.count(evictions=1)
             total -= size
         return total
 
