@@ -62,6 +62,14 @@ def build_config(args: argparse.Namespace):
         raise CLIError(f"cannot read --config: {e}") from None
     except ValueError as e:  # includes JSON/TOML syntax errors
         raise CLIError(str(e)) from None
+    if cfg.epp_port is not None:
+        try:
+            import grpc  # noqa: F401
+            from envoy.service.ext_proc.v3 import external_processor_pb2  # noqa: F401
+            from grpc_health.v1 import health  # noqa: F401
+        except ImportError as e:
+            raise CLIError(f"--epp-port needs gRPC and Envoy's protos ({e.name} is missing): "
+                           "pip install 'tokenmill[k8s]'") from None
     if not cfg.workers and not cfg.worker_dns:
         raise CLIError("give at least one --worker URL or --worker-dns NAME:PORT (or `workers`/`worker_dns` in --config)")
     return cfg
