@@ -176,3 +176,22 @@ def test_workers_join_leave_and_flap_under_traffic_and_no_request_is_lost():
             assert discovery.rounds > 10
             assert all(w.outstanding == 0 for w in router.pool) and router.in_flight == 0
     run(main())
+
+
+def test_cli_takes_worker_dns_alone_and_a_bad_one_is_a_message():
+    from tokenmill.cli import CLIError, build_parser
+    from tokenmill.router.cli import build_config
+
+    def cfg(*argv):
+        argv = ["route", *argv]
+        return build_config(build_parser(argv).parse_args(argv))
+
+    c = cfg("--worker-dns", "tokenmill=w.ns.svc:8000", "--dns-interval", "2", "--epp-port", "9002")
+    assert c.workers == () and c.worker_dns == (DnsTarget("w.ns.svc", 8000, "tokenmill"),)
+    assert c.dns_interval_s == 2 and c.epp_port == 9002
+    with pytest.raises(CLIError, match="--worker-dns"):
+        cfg()
+    with pytest.raises(CLIError, match="NAME:PORT"):
+        cfg("--worker-dns", "w.ns.svc")
+    with pytest.raises(CLIError, match="dns_interval_s"):
+        cfg("--worker-dns", "w:1", "--dns-interval", "0")

@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import grpc
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -313,3 +314,59 @@ def test_grpc_health_reports_liveness_readiness_and_the_ext_proc_service():
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
     run(with_epp(router, main))
+
+
+@pytest.mark.slow
+def test_tokenmill_route_cli_serves_the_epp_beside_http_and_discovers_workers_by_dns():
+    """The real CLI: `tokenmill route --worker-dns localhost:PORT --epp-port ...` in its own process."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import aiohttp
+    from router_fakes import FakeWorker, serving
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    async def main():
+        fake = FakeWorker()
+        async with serving(fake.app()) as wurl:
+            wport, hport, eport = int(wurl.rsplit(":", 1)[1]), free_port(), free_port()
+            proc = subprocess.Popen([sys.executable, "-m", "tokenmill", "route", "--worker-dns", f"localhost:{wport}",
+                                     "--dns-interval", "0.5", "--port", str(hport), "--epp-port", str(eport),
+                                     "--log-level", "warning"], env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            try:
+                async with aiohttp.ClientSession() as s:
+                    for _ in range(200):
+                        try:
+                            async with s.get(f"http://127.0.0.1:{hport}/health") as r:
+                                if r.status == 200:
+                                    break
+                        except aiohttp.ClientError:
+                            pass
+                        await asyncio.sleep(0.1)
+                    else:
+                        raise AssertionError("the router never became healthy")
+                    async with s.get(f"http://127.0.0.1:{hport}/admin/workers") as r:
+                        urls = {w["url"] for w in (await r.json())["workers"]}
+                assert f"http://127.0.0.1:{wport}" in urls  # localhost's A record (and ::1 when it has one)
+                envoy = Envoy(eport)
+                try:
+                    stub = health_pb2_grpc.HealthStub(envoy.channel)
+                    resp = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"))
+                    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+                    call, ep = await pick_full_duplex(envoy, {"prompt": "hello", "max_tokens": 4})
+                    assert ep in {u.removeprefix("http://") for u in urls}
+                    await finish(call, envoy)
+                finally:
+                    await envoy.channel.close()
+            finally:
+                proc.terminate()
+                out = proc.communicate(timeout=20)[0].decode()
+            assert "epp=grpc://0.0.0.0:" in out and f"dns:localhost:{wport}" in out
+    run(main())
