@@ -27,6 +27,7 @@ worker discovery round (the EPP's datastore is synced).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -106,13 +107,21 @@ def _immediate(status: int, message: str, code: str, retry_after_s: float | None
         body=body, details=f"tokenmill_epp_{code}"))
 
 
+@functools.lru_cache(maxsize=4096)
 def _destination(endpoint: str) -> tuple[pb.CommonResponse, struct_pb2.Struct]:
-    """The header mutation and the dynamic metadata that name the picked endpoint (always the same value)."""
+    """The header mutation and the dynamic metadata that name the picked endpoint (always the same value);
+    built once per endpoint (callers copy them into a response, never mutate them)."""
     common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoint.encode()))]), clear_route_cache=True)
     md = struct_pb2.Struct()
     md.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint}})
     return common, md
+
+
+HEADERS_ACK = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+BODY_ACK = pb.ProcessingResponse(request_body=pb.BodyResponse())
+RESPONSE_HEADERS_ACK = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+RESPONSE_BODY_ACK = pb.ProcessingResponse(response_body=pb.BodyResponse())
 
 
 class EppMetrics:
@@ -156,7 +165,7 @@ class _Exchange:
                 return await self._pick(b"", "request_headers")
             if self.full_duplex_request:
                 return []  # answered with the body, once the endpoint is picked
-            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+            return [HEADERS_ACK]
         if which == "request_body":
             if self.ctx is not None:  # already decided (should not happen): pass it on
                 return [self._body_passthrough(req.request_body.body, req.request_body.end_of_stream)]
@@ -168,7 +177,7 @@ class _Exchange:
             if not req.request_body.end_of_stream:
                 if self.full_duplex_request:
                     return []
-                return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
+                return [BODY_ACK]
             return await self._pick(bytes(self.body), "request_body")
         if which == "request_trailers":
             return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
@@ -176,14 +185,14 @@ class _Exchange:
             self._served(req.metadata_context, req.response_headers)
             if req.response_headers.end_of_stream:
                 self.close()
-            return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+            return [RESPONSE_HEADERS_ACK]
         if which == "response_body":
             self._response_chunk(req.response_body.body, req.response_body.end_of_stream)
             if self.full_duplex_response:
                 return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
                     body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                         body=req.response_body.body, end_of_stream=req.response_body.end_of_stream)))))]
-            return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+            return [RESPONSE_BODY_ACK]
         if which == "response_trailers":
             self.close()
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
@@ -193,7 +202,7 @@ class _Exchange:
         if self.full_duplex_request:
             return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
                 body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=eos)))))
-        return pb.ProcessingResponse(request_body=pb.BodyResponse())
+        return BODY_ACK
 
     def _new_request(self, body: bytes) -> RequestCtx:
         router = self.router
