@@ -2,6 +2,7 @@
 
     python benchmarks/epp_latency.py                             # 500/s for 10 s, admission off then leading
     python benchmarks/epp_latency.py --rate 1000 --duration 20 --workers 16
+    python benchmarks/epp_latency.py --no-response-body         # the gateway streams no response body to it
 
 Three processes: stub workers (one aiohttp process answering /health, /metrics and /v1/models on
 `--workers` ports: the picker probes them but never sends them requests), the real `tokenmill route
@@ -82,7 +83,8 @@ def wait_http(url: str, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, decode_s: float, seed: int) -> dict:
+async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, decode_s: float, seed: int,
+                response_body: bool = True) -> dict:
     import grpc
     from envoy.config.core.v3 import base_pb2
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -96,7 +98,9 @@ async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, de
         request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
             base_pb2.HeaderValue(key=k, raw_value=v) for k, v in
             ((":method", b"POST"), (":path", b"/v1/completions"), ("content-type", b"application/json"))])),
-        protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode))
+        protocol_config=pb.ProtocolConfiguration(
+            request_body_mode=mode,
+            response_body_mode=mode if response_body else processing_mode_pb2.ProcessingMode.NONE))
     resp_headers = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
         base_pb2.HeaderValue(key=":status", raw_value=b"200")])))
     first_chunk = pb.ProcessingRequest(response_body=pb.HttpBody(body=b'data: {"choices":[{"text":"x"}]}\n\n'))
@@ -125,13 +129,14 @@ async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, de
         outcomes[200] = outcomes.get(200, 0) + 1
         await call.read()  # the body, passed back
         await asyncio.sleep(ttft_s)
-        for msg in (resp_headers, first_chunk):
+        for msg in (resp_headers, first_chunk) if response_body else (resp_headers,):
             await call.write(msg)
             await call.read()
         await asyncio.sleep(decode_s)
-        await call.write(last_chunk)
-        await call.read()
-        await call.done_writing()
+        if response_body:
+            await call.write(last_chunk)
+            await call.read()
+        await call.done_writing()  # the HTTP stream ended: Envoy closes the ext_proc stream
 
     n = int(rate * duration_s)
     start = time.perf_counter() + 0.2
@@ -174,6 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per mode")
     ap.add_argument("--workers", type=int, default=8, help="stub worker endpoints in the pool")
     ap.add_argument("--admission", action="append", help="modes to run, in order (default: off, leading)")
+    ap.add_argument("--no-response-body", action="store_true", help="the gateway sends the picker response "
+                    "headers only (response_body_mode NONE): 4 ext_proc messages per request instead of 8")
     ap.add_argument("--ttft-ms", type=float, default=30.0)
     ap.add_argument("--decode-ms", type=float, default=300.0)
     ap.add_argument("--stub-workers", help=argparse.SUPPRESS)
@@ -201,7 +208,8 @@ def main(argv=None) -> int:
             try:
                 wait_http(f"http://127.0.0.1:{hport}/health")
                 cpu0 = router_cpu_s(router.pid)
-                r = asyncio.run(drive(eport, args.rate, args.duration, args.ttft_ms / 1e3, args.decode_ms / 1e3, 0))
+                r = asyncio.run(drive(eport, args.rate, args.duration, args.ttft_ms / 1e3, args.decode_ms / 1e3, 0,
+                                      not args.no_response_body))
                 cpu = router_cpu_s(router.pid) - cpu0
                 inside = decision_buckets(f"http://127.0.0.1:{hport}/metrics")
             finally:

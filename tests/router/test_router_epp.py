@@ -49,7 +49,7 @@ class Envoy:
         return self.stub.Process()
 
     @staticmethod
-    def headers(path="/v1/completions", extra=(), eos=False, mode=FULL_DUPLEX, subset=None):
+    def headers(path="/v1/completions", extra=(), eos=False, mode=FULL_DUPLEX, subset=None, response_mode=None):
         hs = [(":method", "POST"), (":path", path), ("content-type", "application/json"), *extra]
         md = base_pb2.Metadata()
         if subset is not None:
@@ -60,7 +60,8 @@ class Envoy:
             request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
                 base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs]), end_of_stream=eos),
             metadata_context=md,
-            protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode))
+            protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode
+                                                     if response_mode is None else response_mode))
 
     @staticmethod
     def body(data: bytes, eos=True):
@@ -279,6 +280,34 @@ def test_served_endpoint_moves_the_load_and_streaming_responses_feed_the_first_t
         assert resp.response_body.response.body_mutation.streamed_response.body == b"data: [DONE]\n\n"
         assert served.outstanding == 0 and served.decode_streams == 0 and router.in_flight == 0
         assert 'outcome="fallback"} 1.0' in router.metrics.render().decode()
+
+    run(with_epp(router, main))
+
+
+def test_without_response_bodies_the_prefill_ends_at_its_predicted_ttft_and_the_stream_end_finishes_it():
+    router = make_router()
+
+    async def main(envoy, server):
+        call = envoy.open()
+        await call.write(envoy.headers(response_mode=processing_mode_pb2.ProcessingMode.NONE))
+        await call.write(envoy.body(json.dumps({"prompt": "p " * 200, "max_tokens": 8, "stream": True}).encode()))
+        ep = picked(await call.read())
+        await call.read()
+        w = router.pool.get("http://" + ep)
+        assert w.prefill_tokens > 0 and w.outstanding == 1
+        for _ in range(100):  # the predicted TTFT of ~100 uncached tokens on the prior rates: tens of ms
+            await asyncio.sleep(0.01)
+            if w.prefill_tokens == 0:
+                break
+        assert w.prefill_tokens == 0 and w.outstanding == 1
+        await call.write(envoy.response_headers())
+        assert (await call.read()).HasField("response_headers")
+        await call.done_writing()  # the HTTP stream ended: Envoy closes the ext_proc stream
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if w.outstanding == 0:
+                break
+        assert w.outstanding == 0 and router.in_flight == 0
 
     run(with_epp(router, main))
 

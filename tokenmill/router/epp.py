@@ -14,10 +14,12 @@ policies. The protocol (gateway-api-inference-extension, docs/proposals/004-endp
     subset hint       metadata_context `envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset`:
                       only those endpoints are candidates (RequestCtx.only)
     response headers  `x-gateway-destination-endpoint-served` in metadata_context (`envoy.lb`): when the
-                      gateway fell back to another endpoint, the load is moved there; non-streaming
-                      requests count their prefill done here
+                      gateway fell back to another endpoint, the load is moved there
     response body     streaming requests: the first chunk is the first token (the TTFT the router learns
-                      from); the end of the body (or of the gRPC stream) finishes the request's load
+                      from); the end of the body (or of the gRPC stream) finishes the request's load.
+                      Non-streaming requests, and streams when the gateway sends no response body
+                      (response_body_mode NONE), count their prefill done at the predicted TTFT, as the
+                      proxy does for non-streaming requests
 
 The router's load view is thus fed by the gateway's traffic exactly as by its own proxy (router.py), and an
 EPP and an HTTP proxy on one Router share it. gRPC health (grpc.health.v1) answers for "", "liveness",
@@ -27,6 +29,7 @@ worker discovery round (the EPP's datastore is synced).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -143,6 +146,7 @@ class _Exchange:
     body: bytearray = field(default_factory=bytearray)
     full_duplex_request: bool = False
     full_duplex_response: bool = False
+    response_bodies: bool = True  # False: the gateway sends no response body (response_body_mode NONE)
     subset: list[str] | None = None
     ctx: RequestCtx | None = None
     flight: InFlight | None = None
@@ -151,11 +155,13 @@ class _Exchange:
     output_events: int = 0
     outcome: str = "cancelled"  # the gateway closed the stream before any response (client gone, upstream failed)
     done: bool = False
+    prefill_timer: asyncio.TimerHandle | None = None
 
     async def handle(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if req.HasField("protocol_config"):
             self.full_duplex_request = req.protocol_config.request_body_mode == FULL_DUPLEX
             self.full_duplex_response = req.protocol_config.response_body_mode == FULL_DUPLEX
+            self.response_bodies = req.protocol_config.response_body_mode != processing_mode_pb2.ProcessingMode.NONE
         which = req.WhichOneof("request")
         if which == "request_headers":
             self.headers = {h.key.lower(): _header_value(h) for h in req.request_headers.headers.headers}
@@ -263,6 +269,11 @@ class _Exchange:
             self.close()
             return [_immediate(e.status, str(e), e.reason, e.retry_after_s)]
         self.ctx = ctx
+        if not (self.streaming and self.response_bodies):
+            # no first token to observe (a non-streaming answer comes whole; or the gateway sends no response
+            # body): the prefill is taken as done when predicted, as the proxy does for non-streaming requests
+            self.prefill_timer = asyncio.get_running_loop().call_later(
+                max(0.0, self.flight.predicted_ttft_s), router.end_prefill, self.flight)
         m.decision.observe(time.perf_counter() - t0)
         m.requests.labels("picked").inc()
         common, md = _destination(endpoint_of(self.flight.worker))
@@ -290,12 +301,14 @@ class _Exchange:
                                       router.clock(), self.flight.ttft_deadline_s, self.ctx.max_tokens,
                                       prompt_tokens=self.ctx.prompt_tokens)
                 self.ctx.tried.add(url)
+                if self.prefill_timer is not None:
+                    self.prefill_timer.cancel()
+                    self.prefill_timer = asyncio.get_running_loop().call_later(
+                        max(0.0, self.flight.predicted_ttft_s), router.end_prefill, self.flight)
         status = next((_header_value(h) for h in headers.headers.headers if h.key == ":status"), "200")
         self.outcome = "ok" if status.startswith("2") else "failed"
         if not status.startswith("2"):
             self.close()
-        elif not self.streaming:  # no tokens to watch: the whole answer is ready when its headers come
-            router.end_prefill(self.flight)
 
     def _response_chunk(self, chunk: bytes, eos: bool) -> None:
         if self.flight is None:
@@ -316,6 +329,8 @@ class _Exchange:
         if self.done:
             return
         self.done = True
+        if self.prefill_timer is not None:
+            self.prefill_timer.cancel()
         if self.flight is not None:
             tokens = self.output_events + (self.flight.first_token_s is not None)
             self.router.finish(self.ctx, self.flight, tokens, None)
