@@ -49,11 +49,12 @@ def build_config(args: argparse.Namespace):
         changes = {k: getattr(args, k) for k in ("policy", "host", "port") if getattr(args, k) is not None}
         if args.worker:
             changes["workers"] = tuple(WorkerSpec.parse(w) for w in args.worker)
-        if args.worker_dns:
+        # getattr: callers that build the Namespace by hand (tests, scripts) may predate these flags
+        if getattr(args, "worker_dns", None):
             changes["worker_dns"] = tuple(DnsTarget.parse(t) for t in args.worker_dns)
-        if args.dns_interval is not None:
+        if getattr(args, "dns_interval", None) is not None:
             changes["dns_interval_s"] = args.dns_interval
-        if args.epp_port is not None:
+        if getattr(args, "epp_port", None) is not None:
             changes["epp_port"] = args.epp_port
         if args.admission:
             changes["admission"] = dataclasses.replace(cfg.admission, mode=args.admission)
