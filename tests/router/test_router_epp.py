@@ -397,5 +397,5 @@ def test_tokenmill_route_cli_serves_the_epp_beside_http_and_discovers_workers_by
             finally:
                 proc.terminate()
                 out = proc.communicate(timeout=20)[0].decode()
-            assert "epp=grpc://0.0.0.0:" in out and f"dns:localhost:{wport}" in out
+            assert f"epp=grpc://127.0.0.1:{eport}" in out and f"dns:localhost:{wport}" in out
     run(main())

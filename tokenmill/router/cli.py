@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(Router(cfg))
     attach(app)
     workers = ", ".join([w.url for w in cfg.workers] + [f"dns:{t}" for t in cfg.worker_dns])
-    epp = f" epp=grpc://{cfg.epp_host}:{cfg.epp_port}" if cfg.epp_port is not None else ""
+    epp = f" epp=grpc://{cfg.host}:{cfg.epp_port}" if cfg.epp_port is not None else ""
     print(f"tokenmill route: http://{cfg.host}:{cfg.port}{epp} policy={cfg.policy} admission={cfg.admission.mode} "
           f"workers={workers}", flush=True)
     web.run_app(app, host=cfg.host, port=cfg.port, print=None, access_log=None)

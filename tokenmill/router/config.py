@@ -52,8 +52,7 @@ class RouterConfig:
     max_in_flight: int = 4096  # requests in flight + held, router-wide (then 503): nothing is unbounded
     worker_dns: tuple[DnsTarget, ...] = ()  # live discovery: every A/AAAA record of NAME is a worker at PORT
     dns_interval_s: float = 5.0  # re-resolve worker_dns this often (discovery.py)
-    epp_port: int | None = None  # also serve Envoy ext_proc (Gateway API Inference Extension EPP) here (epp.py)
-    epp_host: str = "0.0.0.0"
+    epp_port: int | None = None  # also serve Envoy ext_proc (Gateway API Inference Extension EPP) here, on `host`
 
     def __post_init__(self):
         if self.policy not in POLICIES:
