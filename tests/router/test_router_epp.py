@@ -261,6 +261,30 @@ def test_admission_refusal_is_an_immediate_429_with_retry_after():
     run(with_epp(router, main))
 
 
+def test_a_request_held_by_admission_waits_in_its_stream_and_is_picked_when_work_finishes():
+    cls = WorkloadClass("interactive", ttft_slo_s=3.0, tpot_slo_s=1.0, priority=0, max_queue=8, max_wait_s=2.5)
+    router = make_router(classes=(cls,), admission=AdmissionConfig(mode="leading"))
+    busy = [(w, w.start("busy", 30_000, 3.6, router.clock(), max_tokens=1)) for w in router.pool]  # ~3.7 s queued
+
+    async def main(envoy, server):
+        call = envoy.open()
+        await call.write(envoy.headers())
+        await call.write(envoy.body(json.dumps({"prompt": "hi " * 50, "max_tokens": 4}).encode()))
+        answer = asyncio.ensure_future(call.read())
+        await asyncio.sleep(0.3)
+        assert not answer.done() and router.queues.depths()["interactive"] == 1  # held, not refused
+        for w, f in busy:  # the queued work finishes: the held request now meets its SLO
+            w.finish(f, router.clock(), 1)
+        router.pump()
+        resp = await asyncio.wait_for(answer, 2.0)
+        assert resp.HasField("request_headers") and picked(resp) in ENDPOINTS
+        assert router.queues.depths()["interactive"] == 0
+        await call.read()
+        await finish(call, envoy)
+
+    run(with_epp(router, main))
+
+
 def test_served_endpoint_moves_the_load_and_streaming_responses_feed_the_first_token():
     router = make_router(policy="least-load")
 
