@@ -3,6 +3,8 @@
     tokenmill route --worker http://127.0.0.1:8001 --worker http://127.0.0.1:8002
     tokenmill route --worker vllm=http://10.0.0.2:8000 --policy least-load --port 9000
     tokenmill route --config router.json --admission lagging
+    tokenmill route --worker-dns tokenmill-workers.default.svc.cluster.local:8000 --host 0.0.0.0
+    tokenmill route --worker-dns tokenmill-workers.default.svc.cluster.local:8000 --epp-port 9002
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="append", default=[], metavar="[KIND=]URL",
                    help="worker base URL; KIND is auto (default), tokenmill, vllm, sglang or openai. Repeatable")
+    p.add_argument("--worker-dns", action="append", default=[], metavar="[KIND=]NAME:PORT",
+                   help="live discovery: every A/AAAA record of NAME (e.g. a Kubernetes headless Service) is a "
+                        "worker at PORT, re-resolved every --dns-interval seconds; vanished ones drain. Repeatable")
+    p.add_argument("--dns-interval", type=float, metavar="SECONDS", help="re-resolve --worker-dns this often (default 5)")
+    p.add_argument("--epp-port", type=int, metavar="PORT",
+                   help="also serve Envoy ext_proc (a Gateway API Inference Extension endpoint picker) on this port")
     p.add_argument("--policy", choices=sorted(POLICIES), help="routing policy (default prefix-load)")
     p.add_argument("--admission", choices=MODES, help="admission control (default leading)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
@@ -33,6 +41,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace):
     from tokenmill.cli import CLIError
     from tokenmill.router.config import RouterConfig, load_config
+    from tokenmill.router.discovery import DnsTarget
     from tokenmill.router.worker_state import WorkerSpec
 
     try:
@@ -40,6 +49,13 @@ def build_config(args: argparse.Namespace):
         changes = {k: getattr(args, k) for k in ("policy", "host", "port") if getattr(args, k) is not None}
         if args.worker:
             changes["workers"] = tuple(WorkerSpec.parse(w) for w in args.worker)
+        # getattr: callers that build the Namespace by hand (tests, scripts) may predate these flags
+        if getattr(args, "worker_dns", None):
+            changes["worker_dns"] = tuple(DnsTarget.parse(t) for t in args.worker_dns)
+        if getattr(args, "dns_interval", None) is not None:
+            changes["dns_interval_s"] = args.dns_interval
+        if getattr(args, "epp_port", None) is not None:
+            changes["epp_port"] = args.epp_port
         if args.admission:
             changes["admission"] = dataclasses.replace(cfg.admission, mode=args.admission)
         cfg = dataclasses.replace(cfg, **changes)
@@ -47,8 +63,16 @@ def build_config(args: argparse.Namespace):
         raise CLIError(f"cannot read --config: {e}") from None
     except ValueError as e:  # includes JSON/TOML syntax errors
         raise CLIError(str(e)) from None
-    if not cfg.workers:
-        raise CLIError("give at least one --worker URL (or `workers` in --config)")
+    if cfg.epp_port is not None:
+        try:
+            import grpc  # noqa: F401
+            from envoy.service.ext_proc.v3 import external_processor_pb2  # noqa: F401
+            from grpc_health.v1 import health  # noqa: F401
+        except ImportError as e:
+            raise CLIError(f"--epp-port needs gRPC and Envoy's protos ({e.name} is missing): "
+                           "pip install 'tokenmill[k8s]'") from None
+    if not cfg.workers and not cfg.worker_dns:
+        raise CLIError("give at least one --worker URL or --worker-dns NAME:PORT (or `workers`/`worker_dns` in --config)")
     return cfg
 
 
@@ -56,13 +80,16 @@ def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from tokenmill.router.app import create_app
+    from tokenmill.router.cluster import attach
     from tokenmill.router.router import Router
 
     cfg = build_config(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(Router(cfg))
-    workers = ", ".join(w.url for w in cfg.workers)
-    print(f"tokenmill route: http://{cfg.host}:{cfg.port} policy={cfg.policy} admission={cfg.admission.mode} "
+    attach(app)
+    workers = ", ".join([w.url for w in cfg.workers] + [f"dns:{t}" for t in cfg.worker_dns])
+    epp = f" epp=grpc://{cfg.host}:{cfg.epp_port}" if cfg.epp_port is not None else ""
+    print(f"tokenmill route: http://{cfg.host}:{cfg.port}{epp} policy={cfg.policy} admission={cfg.admission.mode} "
           f"workers={workers}", flush=True)
     web.run_app(app, host=cfg.host, port=cfg.port, print=None, access_log=None)
     return 0

@@ -7,7 +7,8 @@ A config file (JSON, or TOML on Python >= 3.11) mirrors the dataclasses; unknown
      "classes": [{"name": "interactive", "ttft_slo_s": 0.5}],      # overrides fields of a default class
      "api_keys": {"sk-batch-team": "batch"},
      "admission": {"mode": "leading"}, "policy_params": {"guard_abs": 4},
-     "prefix_index": {"chunk_chars": 64}, "rate_priors": {"prefill_rate_tps": 4096}}
+     "prefix_index": {"chunk_chars": 64}, "rate_priors": {"prefill_rate_tps": 4096},
+     "worker_dns": ["tokenmill-workers.default.svc.cluster.local:8000"], "dns_interval_s": 5, "epp_port": 9002}
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenmill.router.admission import AdmissionConfig
+from tokenmill.router.discovery import DnsTarget
 from tokenmill.router.classes import DEFAULT_CLASSES, WorkloadClass
 from tokenmill.router.policies import POLICIES, PolicyParams
 from tokenmill.router.prefix_index import PrefixIndexConfig
@@ -48,6 +50,9 @@ class RouterConfig:
     read_timeout_s: float = 300.0  # longest gap between two chunks of a stream
     max_body_bytes: int = 16 * 2**20
     max_in_flight: int = 4096  # requests in flight + held, router-wide (then 503): nothing is unbounded
+    worker_dns: tuple[DnsTarget, ...] = ()  # live discovery: every A/AAAA record of NAME is a worker at PORT
+    dns_interval_s: float = 5.0  # re-resolve worker_dns this often (discovery.py)
+    epp_port: int | None = None  # also serve Envoy ext_proc (Gateway API Inference Extension EPP) here, on `host`
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -65,7 +70,9 @@ class RouterConfig:
         urls = [w.url for w in self.workers]
         if len(set(urls)) != len(urls):
             raise ValueError("a worker URL is listed twice")
-        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s", "first_token_timeout_s",
+        if self.epp_port is not None and not 0 <= self.epp_port <= 65535:
+            raise ValueError(f"epp_port must be in 0..65535, got {self.epp_port}")
+        for name in ("dns_interval_s", "health_interval_s", "health_timeout_s", "connect_timeout_s", "first_token_timeout_s",
                      "read_timeout_s"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be > 0")
@@ -121,6 +128,10 @@ def config_from_dict(data: dict) -> RouterConfig:
         data["classes"] = _classes(data["classes"])
     if "workers" in data:
         data["workers"] = tuple(_worker(w, i) for i, w in enumerate(data["workers"]))
+    if "worker_dns" in data:
+        if not isinstance(data["worker_dns"], list):
+            raise ValueError("worker_dns must be a list of \"[KIND=]NAME:PORT\" strings")
+        data["worker_dns"] = tuple(DnsTarget.parse(str(t)) for t in data["worker_dns"])
     if "api_keys" in data:
         if not isinstance(data["api_keys"], dict):
             raise ValueError("api_keys must map API key -> class name")

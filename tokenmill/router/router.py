@@ -52,6 +52,7 @@ class RequestCtx:
     tried: set[str] = field(default_factory=set)
     first_token_s: float | None = None
     choice: RouteChoice | None = None  # the routing policy's latest choice for it (metrics only)
+    only: frozenset[str] | None = None  # worker URLs it may go to (the EPP's subset hint); None: all
 
 
 class Router:
@@ -127,6 +128,8 @@ class Router:
         now = self.clock()
         views, chunks = [], {}
         for w in self.pool:
+            if ctx.only is not None and w.url not in ctx.only:
+                continue
             hit, chunks[w.url] = self.cached_prefix(ctx, w, now)
             views.append(w.view(hit, now))
         req = RouteRequest(ctx.request_id, now, ctx.arrival_s, ctx.prompt_tokens, ctx.cls.name, ctx.seq,

@@ -1,0 +1,425 @@
+"""The Endpoint Picker (ext_proc gRPC) driven by a client that plays Envoy: header and body phases in both
+body modes, the picked endpoint in header and dynamic metadata, prefix affinity across calls, the subset
+hint, 429/503 immediate responses, the served-endpoint fallback, and gRPC health."""
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tokenmill.router.admission import AdmissionConfig
+from tokenmill.router.classes import WorkloadClass
+from tokenmill.router.config import RouterConfig
+from tokenmill.router.epp import EppServer
+from tokenmill.router.router import Router
+from tokenmill.router.worker_state import WorkerSpec
+
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
+ENDPOINTS = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def make_router(healthy=True, **overrides) -> Router:
+    cfg = RouterConfig(workers=tuple(WorkerSpec("http://" + e) for e in ENDPOINTS), **overrides)
+    router = Router(cfg)
+    for w in router.pool:
+        w.healthy = healthy
+    return router
+
+
+class Envoy:
+    """Plays the gateway's ext_proc filter: one bidi stream per HTTP request."""
+
+    def __init__(self, port: int):
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = pb_grpc.ExternalProcessorStub(self.channel)
+
+    def open(self):
+        return self.stub.Process()
+
+    @staticmethod
+    def headers(path="/v1/completions", extra=(), eos=False, mode=FULL_DUPLEX, subset=None, response_mode=None):
+        hs = [(":method", "POST"), (":path", path), ("content-type", "application/json"), *extra]
+        md = base_pb2.Metadata()
+        if subset is not None:
+            s = struct_pb2.Struct()
+            s.update({"x-gateway-destination-endpoint-subset": subset})
+            md.filter_metadata["envoy.lb.subset_hint"].CopyFrom(s)
+        return pb.ProcessingRequest(
+            request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+                base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in hs]), end_of_stream=eos),
+            metadata_context=md,
+            protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode
+                                                     if response_mode is None else response_mode))
+
+    @staticmethod
+    def body(data: bytes, eos=True):
+        return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=eos))
+
+    @staticmethod
+    def response_headers(status="200", served=None):
+        md = base_pb2.Metadata()
+        if served:
+            s = struct_pb2.Struct()
+            s.update({"x-gateway-destination-endpoint-served": served})
+            md.filter_metadata["envoy.lb"].CopyFrom(s)
+        return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+            base_pb2.HeaderValue(key=":status", raw_value=status.encode())])), metadata_context=md)
+
+    @staticmethod
+    def response_body(data: bytes, eos=False):
+        return pb.ProcessingRequest(response_body=pb.HttpBody(body=data, end_of_stream=eos))
+
+
+def picked(resp: pb.ProcessingResponse) -> str:
+    """The endpoint a headers/body response names; asserts header and dynamic metadata agree."""
+    which = resp.WhichOneof("response")
+    common = getattr(resp, which).response
+    header = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    meta = resp.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
+    assert header["x-gateway-destination-endpoint"] == meta, (header, meta)
+    return meta
+
+
+async def with_epp(router, fn):
+    server = EppServer(router, "127.0.0.1", 0)
+    await server.start(ready=True)
+    envoy = Envoy(server.port)
+    try:
+        return await fn(envoy, server)
+    finally:
+        await envoy.channel.close()
+        await server.stop(0)
+
+
+async def pick_full_duplex(envoy, body: dict, extra=(), subset=None, chunks=2):
+    """Headers then the body in `chunks` pieces; returns (stream, endpoint or ImmediateResponse)."""
+    call = envoy.open()
+    data = json.dumps(body).encode()
+    await call.write(envoy.headers(extra=extra, subset=subset))
+    step = -(-len(data) // chunks)
+    for i in range(0, len(data), step):
+        await call.write(envoy.body(data[i:i + step], eos=i + step >= len(data)))
+    first = await call.read()
+    if first.HasField("immediate_response"):
+        return call, first.immediate_response
+    assert first.HasField("request_headers")  # the held headers come first, with the pick
+    endpoint = picked(first)
+    second = await call.read()
+    assert second.request_body.response.body_mutation.streamed_response.body == data  # the body, unchanged
+    assert second.request_body.response.body_mutation.streamed_response.end_of_stream
+    return call, endpoint
+
+
+async def finish(call, envoy, served=None, stream=False):
+    await call.write(envoy.response_headers(served=served))
+    assert (await call.read()).HasField("response_headers")
+    if stream:
+        await call.write(envoy.response_body(b'data: {"choices":[{"text":"a"}]}\n\n'))
+        await call.read()
+    await call.write(envoy.response_body(b"data: [DONE]\n\n" if stream else b"{}", eos=True))
+    assert (await call.read()).HasField("response_body")
+    await call.done_writing()
+
+
+def test_full_duplex_pick_is_a_routable_endpoint_and_a_shared_prefix_sticks_to_one_endpoint():
+    router = make_router(policy="prefix-load", admission=AdmissionConfig(mode="off"))  # the routing policy alone
+    system = "You are a helpful assistant. " * 40
+
+    async def main(envoy, server):
+        first = None
+        for i in range(5):  # one after another, each answered (streamed) before the next: affinity across calls
+            call, ep = await pick_full_duplex(envoy, {"prompt": system + f"question {i}", "max_tokens": 8,
+                                                      "stream": True})
+            assert ep in ENDPOINTS
+            first = first or ep
+            assert ep == first, "a shared prefix left its cached endpoint for a cold one"
+            await finish(call, envoy, stream=True)
+        open_call, ep = await pick_full_duplex(envoy, {"prompt": system + "q", "max_tokens": 8})
+        assert ep == first
+        other_call, other = await pick_full_duplex(envoy, {"prompt": "unrelated " * 100, "max_tokens": 8})
+        assert other != first  # a cold prompt goes where nothing is queued
+        w = router.pool.get("http://" + first)
+        assert w.outstanding == 1 and router.in_flight == 2
+        for call in (open_call, other_call):
+            await finish(call, envoy)
+        await asyncio.sleep(0.05)
+        assert all(w.outstanding == 0 for w in router.pool) and router.in_flight == 0
+        assert router.index.size("http://" + first) > 0
+        text = router.metrics.render().decode()
+        assert 'tokenmill_router_epp_requests_total{outcome="picked"} 7.0' in text
+        assert "tokenmill_router_epp_decision_seconds_count 7.0" in text
+
+    run(with_epp(router, main))
+
+
+def test_the_epp_picks_what_the_proxys_router_picks_for_the_same_traffic():
+    """Same requests, same order, admission on: the EPP's picks equal a twin Router's own `acquire` (what the
+    HTTP proxy calls), with the leading admission overriding the policy while rates are unlearned."""
+    from tokenmill.router.prompt import prompt_key
+
+    prompts = [("You are a helpful assistant. " * 40 if i % 3 else "Translate this. " * 30) + f"q{i}"
+               for i in range(9)]
+    router, twin = make_router(), make_router()
+
+    async def main(envoy, server):
+        got, want, calls = [], [], []
+        for p in prompts:
+            call, ep = await pick_full_duplex(envoy, {"prompt": p, "max_tokens": 8})
+            got.append(ep)
+            calls.append(call)
+            ctx = twin.new_request(prompt_key({"prompt": p}, False, twin.cfg.prefix_index),
+                                   twin.classes["interactive"], 8)
+            want.append((await twin.acquire(ctx)).worker.removeprefix("http://"))
+        assert got == want and len(set(got)) > 1
+        for call in calls:
+            await finish(call, envoy)
+
+    run(with_epp(router, main))
+
+
+def test_buffered_mode_answers_headers_at_once_and_names_the_endpoint_in_the_body_response():
+    router = make_router(policy="round-robin")
+
+    async def main(envoy, server):
+        seen = []
+        for i in range(3):
+            call = envoy.open()
+            await call.write(envoy.headers(path="/v1/chat/completions", mode=BUFFERED))
+            resp = await call.read()
+            assert resp.HasField("request_headers") and not resp.request_headers.response.header_mutation.set_headers
+            await call.write(envoy.body(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}).encode()))
+            resp = await call.read()
+            assert resp.HasField("request_body")
+            seen.append(picked(resp))
+            await finish(call, envoy)
+        assert sorted(seen) == ENDPOINTS  # round-robin through the same policy code as the proxy
+
+    run(with_epp(router, main))
+
+
+def test_subset_hint_restricts_the_pick_and_an_empty_or_foreign_subset_is_503():
+    router = make_router(policy="least-load")
+
+    async def main(envoy, server):
+        for _ in range(3):
+            call, ep = await pick_full_duplex(envoy, {"prompt": "p", "max_tokens": 4}, subset=[ENDPOINTS[2]])
+            assert ep == ENDPOINTS[2]  # even though least-load would spread to the idle ones
+        call, ep = await pick_full_duplex(envoy, {"prompt": "p"}, subset=f"{ENDPOINTS[1]},{ENDPOINTS[2]}")
+        assert ep == ENDPOINTS[1]
+        for subset in ([], ["10.9.9.9:8000"]):
+            call, imm = await pick_full_duplex(envoy, {"prompt": "p"}, subset=subset)
+            assert imm.status.code == 503 and json.loads(imm.body)["error"]["code"] == "no-worker"
+
+    run(with_epp(router, main))
+
+
+def test_no_ready_endpoint_is_503_and_a_bad_body_is_400():
+    router = make_router(healthy=False)
+
+    async def main(envoy, server):
+        call, imm = await pick_full_duplex(envoy, {"prompt": "p"})
+        assert imm.status.code == 503
+        headers = {h.header.key: h.header.raw_value.decode() for h in imm.headers.set_headers}
+        assert headers["retry-after"] == "1" and headers["content-type"] == "application/json"
+        call = envoy.open()
+        await call.write(envoy.headers())
+        await call.write(envoy.body(b"{not json"))
+        imm = (await call.read()).immediate_response
+        assert imm.status.code == 400 and "not valid JSON" in json.loads(imm.body)["error"]["message"]
+        assert router.in_flight == 0
+
+    run(with_epp(router, main))
+
+
+def test_admission_refusal_is_an_immediate_429_with_retry_after():
+    strict = WorkloadClass("interactive", ttft_slo_s=0.2, tpot_slo_s=1.0, priority=0, max_queue=0, max_wait_s=0.1)
+    router = make_router(classes=(strict,), admission=AdmissionConfig(mode="leading"))
+    for w in router.pool:  # every worker has ~10 s of prefill queued (the prior rate): no SLO can be met
+        w.start("busy", 80_000, 10.0, router.clock(), max_tokens=1)
+
+    async def main(envoy, server):
+        call, imm = await pick_full_duplex(envoy, {"prompt": "hello " * 50, "max_tokens": 4})
+        assert imm.status.code == 429, imm
+        headers = {h.header.key: h.header.raw_value.decode() for h in imm.headers.set_headers}
+        assert int(headers["retry-after"]) >= 1
+        assert json.loads(imm.body)["error"]["type"] == "rate_limit_error"
+        assert 'tokenmill_router_epp_requests_total{outcome="shed"} 1.0' in router.metrics.render().decode()
+        assert router.in_flight == 0
+
+    run(with_epp(router, main))
+
+
+def test_a_request_held_by_admission_waits_in_its_stream_and_is_picked_when_work_finishes():
+    cls = WorkloadClass("interactive", ttft_slo_s=3.0, tpot_slo_s=1.0, priority=0, max_queue=8, max_wait_s=2.5)
+    router = make_router(classes=(cls,), admission=AdmissionConfig(mode="leading"))
+    busy = [(w, w.start("busy", 30_000, 3.6, router.clock(), max_tokens=1)) for w in router.pool]  # ~3.7 s queued
+
+    async def main(envoy, server):
+        call = envoy.open()
+        await call.write(envoy.headers())
+        await call.write(envoy.body(json.dumps({"prompt": "hi " * 50, "max_tokens": 4}).encode()))
+        answer = asyncio.ensure_future(call.read())
+        await asyncio.sleep(0.3)
+        assert not answer.done() and router.queues.depths()["interactive"] == 1  # held, not refused
+        for w, f in busy:  # the queued work finishes: the held request now meets its SLO
+            w.finish(f, router.clock(), 1)
+        router.pump()
+        resp = await asyncio.wait_for(answer, 2.0)
+        assert resp.HasField("request_headers") and picked(resp) in ENDPOINTS
+        assert router.queues.depths()["interactive"] == 0
+        await call.read()
+        await finish(call, envoy)
+
+    run(with_epp(router, main))
+
+
+def test_served_endpoint_moves_the_load_and_streaming_responses_feed_the_first_token():
+    router = make_router(policy="least-load")
+
+    async def main(envoy, server):
+        call, ep = await pick_full_duplex(envoy, {"prompt": "p", "max_tokens": 8, "stream": True})
+        fallback = next(e for e in ENDPOINTS if e != ep)
+        await call.write(envoy.response_headers(served=fallback))
+        await call.read()
+        assert router.pool.get("http://" + ep).outstanding == 0
+        served = router.pool.get("http://" + fallback)
+        assert served.outstanding == 1 and served.decode_streams == 0
+        await call.write(envoy.response_body(b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choices":[{"text":"b"}]}\n\n'))
+        await call.read()
+        assert served.decode_streams == 1 and served.observed_ttft.value is not None
+        await call.write(envoy.response_body(b"data: [DONE]\n\n", eos=True))
+        resp = await call.read()
+        assert resp.response_body.response.body_mutation.streamed_response.body == b"data: [DONE]\n\n"
+        assert served.outstanding == 0 and served.decode_streams == 0 and router.in_flight == 0
+        assert 'outcome="fallback"} 1.0' in router.metrics.render().decode()
+
+    run(with_epp(router, main))
+
+
+def test_without_response_bodies_the_prefill_ends_at_its_predicted_ttft_and_the_stream_end_finishes_it():
+    router = make_router()
+
+    async def main(envoy, server):
+        call = envoy.open()
+        await call.write(envoy.headers(response_mode=processing_mode_pb2.ProcessingMode.NONE))
+        await call.write(envoy.body(json.dumps({"prompt": "p " * 200, "max_tokens": 8, "stream": True}).encode()))
+        ep = picked(await call.read())
+        await call.read()
+        w = router.pool.get("http://" + ep)
+        assert w.prefill_tokens > 0 and w.outstanding == 1
+        for _ in range(100):  # the predicted TTFT of ~100 uncached tokens on the prior rates: tens of ms
+            await asyncio.sleep(0.01)
+            if w.prefill_tokens == 0:
+                break
+        assert w.prefill_tokens == 0 and w.outstanding == 1
+        await call.write(envoy.response_headers())
+        assert (await call.read()).HasField("response_headers")
+        await call.done_writing()  # the HTTP stream ended: Envoy closes the ext_proc stream
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if w.outstanding == 0:
+                break
+        assert w.outstanding == 0 and router.in_flight == 0
+
+    run(with_epp(router, main))
+
+
+def test_a_gateway_that_drops_the_stream_releases_the_load():
+    router = make_router()
+
+    async def main(envoy, server):
+        call, ep = await pick_full_duplex(envoy, {"prompt": "p", "max_tokens": 8})
+        assert router.pool.get("http://" + ep).outstanding == 1
+        call.cancel()
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if router.in_flight == 0:
+                break
+        assert router.in_flight == 0 and router.pool.get("http://" + ep).outstanding == 0
+
+    run(with_epp(router, main))
+
+
+def test_grpc_health_reports_liveness_readiness_and_the_ext_proc_service():
+    router = make_router()
+
+    async def main(envoy, server):
+        stub = health_pb2_grpc.HealthStub(envoy.channel)
+        for name in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=name))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING, name
+        await server.set_ready(False)
+        resp = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"))
+        assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        resp = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    run(with_epp(router, main))
+
+
+@pytest.mark.slow
+def test_tokenmill_route_cli_serves_the_epp_beside_http_and_discovers_workers_by_dns():
+    """The real CLI: `tokenmill route --worker-dns localhost:PORT --epp-port ...` in its own process."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import aiohttp
+    from router_fakes import FakeWorker, serving
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    async def main():
+        fake = FakeWorker()
+        async with serving(fake.app()) as wurl:
+            wport, hport, eport = int(wurl.rsplit(":", 1)[1]), free_port(), free_port()
+            proc = subprocess.Popen([sys.executable, "-m", "tokenmill", "route", "--worker-dns", f"localhost:{wport}",
+                                     "--dns-interval", "0.5", "--port", str(hport), "--epp-port", str(eport),
+                                     "--log-level", "warning"], env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            try:
+                async with aiohttp.ClientSession() as s:
+                    for _ in range(200):
+                        try:
+                            async with s.get(f"http://127.0.0.1:{hport}/health") as r:
+                                if r.status == 200:
+                                    break
+                        except aiohttp.ClientError:
+                            pass
+                        await asyncio.sleep(0.1)
+                    else:
+                        raise AssertionError("the router never became healthy")
+                    async with s.get(f"http://127.0.0.1:{hport}/admin/workers") as r:
+                        urls = {w["url"] for w in (await r.json())["workers"]}
+                assert f"http://127.0.0.1:{wport}" in urls  # localhost's A record (and ::1 when it has one)
+                envoy = Envoy(eport)
+                try:
+                    stub = health_pb2_grpc.HealthStub(envoy.channel)
+                    resp = await stub.Check(health_pb2.HealthCheckRequest(service="readiness"))
+                    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+                    call, ep = await pick_full_duplex(envoy, {"prompt": "hello", "max_tokens": 4})
+                    assert ep in {u.removeprefix("http://") for u in urls}
+                    await finish(call, envoy)
+                finally:
+                    await envoy.channel.close()
+            finally:
+                proc.terminate()
+                out = proc.communicate(timeout=20)[0].decode()
+            assert f"epp=grpc://127.0.0.1:{eport}" in out and f"dns:localhost:{wport}" in out
+    run(main())

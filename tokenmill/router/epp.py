@@ -1,0 +1,383 @@
+"""Endpoint Picker (EPP) mode: Envoy's ext_proc gRPC service, so a Gateway API Inference Extension gateway
+(an `InferencePool` whose `endpointPickerRef` is `tokenmill route --epp-port 9002`) routes with tokenmill's
+policies. The protocol (gateway-api-inference-extension, docs/proposals/004-endpoint-picker-protocol):
+
+    request headers   read (`:path`, class header, API key); answered at once (BUFFERED) or held until the
+                      body ends (FULL_DUPLEX_STREAMED, what the inference gateways configure)
+    request body      buffered to its end, parsed like the HTTP proxy parses it (prompt hashes, max_tokens);
+                      then the *same* decision the proxy makes: `Router.acquire` (routing policy + admission
+                      on a RouteSnapshot; the request may be held in its class queue)
+        admitted      header `x-gateway-destination-endpoint: ip:port` and dynamic metadata
+                      `envoy.lb` / `x-gateway-destination-endpoint` (the same value)
+        refused       ImmediateResponse 429 (admission: shed) with Retry-After and an OpenAI error body
+        no endpoint   ImmediateResponse 503 (nothing healthy, or nothing in the subset hint)
+    subset hint       metadata_context `envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset`:
+                      only those endpoints are candidates (RequestCtx.only)
+    response headers  `x-gateway-destination-endpoint-served` in metadata_context (`envoy.lb`): when the
+                      gateway fell back to another endpoint, the load is moved there
+    response body     streaming requests: the first chunk is the first token (the TTFT the router learns
+                      from); the end of the body (or of the gRPC stream) finishes the request's load.
+                      Non-streaming requests, and streams when the gateway sends no response body
+                      (response_body_mode NONE), count their prefill done at the predicted TTFT, as the
+                      proxy does for non-streaming requests
+
+The router's load view is thus fed by the gateway's traffic exactly as by its own proxy (router.py), and an
+EPP and an HTTP proxy on one Router share it. gRPC health (grpc.health.v1) answers for "", "liveness",
+"readiness" and "envoy.service.ext_proc.v3.ExternalProcessor"; readiness turns SERVING after the first
+worker discovery round (the EPP's datastore is synced).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import Counter, Histogram
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.router.classes import CLASS_HEADER
+from tokenmill.router.prompt import prompt_key
+from tokenmill.router.router import Refused, RequestCtx, Router
+from tokenmill.router.worker_state import InFlight
+
+log = logging.getLogger("tokenmill.router.epp")
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+COMPLETION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
+DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0)
+
+
+def endpoint_of(url: str) -> str:
+    """http://10.0.0.7:8000 -> 10.0.0.7:8000 (the EPP protocol's `ip:port`)."""
+    return urlsplit(url).netloc
+
+
+def _header_value(h: base_pb2.HeaderValue) -> str:
+    return h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+
+
+def _metadata_value(md: base_pb2.Metadata, namespace: str, key: str):
+    if namespace not in md.filter_metadata:
+        return None
+    fields = md.filter_metadata[namespace].fields
+    if key not in fields:
+        return None
+    v = fields[key]
+    kind = v.WhichOneof("kind")
+    if kind == "string_value":
+        return v.string_value
+    if kind == "list_value":
+        return [x.string_value for x in v.list_value.values if x.WhichOneof("kind") == "string_value"]
+    return None
+
+
+def _split_endpoints(value) -> list[str]:
+    items = value if isinstance(value, list) else [value]
+    return [e.strip() for item in items for e in item.split(",") if e.strip()]
+
+
+def _immediate(status: int, message: str, code: str, retry_after_s: float | None = None) -> pb.ProcessingResponse:
+    kind = {400: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}.get(
+        status, "overloaded_error")
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    headers = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type",
+                                                                      raw_value=b"application/json"))]
+    if retry_after_s is not None:
+        seconds = str(max(1, int(-(-retry_after_s // 1)))).encode()
+        headers.append(base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="retry-after", raw_value=seconds)))
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status), headers=pb.HeaderMutation(set_headers=headers),
+        body=body, details=f"tokenmill_epp_{code}"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _destination(endpoint: str) -> tuple[pb.CommonResponse, struct_pb2.Struct]:
+    """The header mutation and the dynamic metadata that name the picked endpoint (always the same value);
+    built once per endpoint (callers copy them into a response, never mutate them)."""
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoint.encode()))]), clear_route_cache=True)
+    md = struct_pb2.Struct()
+    md.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint}})
+    return common, md
+
+
+HEADERS_ACK = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+BODY_ACK = pb.ProcessingResponse(request_body=pb.BodyResponse())
+RESPONSE_HEADERS_ACK = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+RESPONSE_BODY_ACK = pb.ProcessingResponse(response_body=pb.BodyResponse())
+
+
+class EppMetrics:
+    def __init__(self, registry):
+        self.requests = Counter("tokenmill_router_epp_requests", "ext_proc streams by outcome (picked, shed: 429, "
+                                "unavailable: 503, bad_request, fallback: the gateway served another endpoint)",
+                                ["outcome"], registry=registry)
+        self.decision = Histogram("tokenmill_router_epp_decision_seconds", "Request body complete -> endpoint "
+                                  "picked (admission holds included)", buckets=DECISION_BUCKETS, registry=registry)
+
+
+@dataclass
+class _Exchange:
+    """One HTTP request as the gateway streams it to the EPP."""
+
+    router: Router
+    metrics: EppMetrics
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytearray = field(default_factory=bytearray)
+    full_duplex_request: bool = False
+    full_duplex_response: bool = False
+    response_bodies: bool = True  # False: the gateway sends no response body (response_body_mode NONE)
+    subset: list[str] | None = None
+    ctx: RequestCtx | None = None
+    flight: InFlight | None = None
+    counted: bool = False  # holds one of router.in_flight
+    streaming: bool = False
+    output_events: int = 0
+    outcome: str = "cancelled"  # the gateway closed the stream before any response (client gone, upstream failed)
+    done: bool = False
+    prefill_timer: asyncio.TimerHandle | None = None
+
+    async def handle(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        if req.HasField("protocol_config"):
+            self.full_duplex_request = req.protocol_config.request_body_mode == FULL_DUPLEX
+            self.full_duplex_response = req.protocol_config.response_body_mode == FULL_DUPLEX
+            self.response_bodies = req.protocol_config.response_body_mode != processing_mode_pb2.ProcessingMode.NONE
+        which = req.WhichOneof("request")
+        if which == "request_headers":
+            self.headers = {h.key.lower(): _header_value(h) for h in req.request_headers.headers.headers}
+            subset = _metadata_value(req.metadata_context, SUBSET_NAMESPACE, SUBSET_KEY)
+            self.subset = None if subset is None else _split_endpoints(subset)
+            if req.request_headers.end_of_stream:  # no body (GET): pick with an empty prompt
+                return await self._pick(b"", "request_headers")
+            if self.full_duplex_request:
+                return []  # answered with the body, once the endpoint is picked
+            return [HEADERS_ACK]
+        if which == "request_body":
+            if self.ctx is not None:  # already decided (should not happen): pass it on
+                return [self._body_passthrough(req.request_body.body, req.request_body.end_of_stream)]
+            self.body += req.request_body.body
+            if len(self.body) > self.router.cfg.max_body_bytes:
+                self.metrics.requests.labels("bad_request").inc()
+                return [_immediate(413, f"the request body exceeds {self.router.cfg.max_body_bytes} bytes",
+                                   "body_too_large")]
+            if not req.request_body.end_of_stream:
+                if self.full_duplex_request:
+                    return []
+                return [BODY_ACK]
+            return await self._pick(bytes(self.body), "request_body")
+        if which == "request_trailers":
+            return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if which == "response_headers":
+            self._served(req.metadata_context, req.response_headers)
+            if req.response_headers.end_of_stream:
+                self.close()
+            return [RESPONSE_HEADERS_ACK]
+        if which == "response_body":
+            self._response_chunk(req.response_body.body, req.response_body.end_of_stream)
+            if self.full_duplex_response:
+                return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                    body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                        body=req.response_body.body, end_of_stream=req.response_body.end_of_stream)))))]
+            return [RESPONSE_BODY_ACK]
+        if which == "response_trailers":
+            self.close()
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        return []
+
+    def _body_passthrough(self, body: bytes, eos: bool) -> pb.ProcessingResponse:
+        if self.full_duplex_request:
+            return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+                body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=eos)))))
+        return BODY_ACK
+
+    def _new_request(self, body: bytes) -> RequestCtx:
+        router = self.router
+        path = self.headers.get(":path", "").split("?")[0]
+        chat = COMPLETION_PATHS.get(path)
+        doc = {}
+        if body:
+            try:
+                doc = json.loads(body)
+            except (ValueError, UnicodeDecodeError):
+                raise InvalidRequestError("the request body is not valid JSON") from None
+            if not isinstance(doc, dict):
+                raise InvalidRequestError("the request body must be a JSON object")
+        name = self.headers.get(CLASS_HEADER)
+        if name is None:
+            auth = self.headers.get("authorization", "")
+            name = router.cfg.class_of_key(auth[7:].strip()) if auth.startswith("Bearer ") else None
+        name = name or router.cfg.default_class
+        if name not in router.classes:
+            raise InvalidRequestError(f"unknown workload class {name!r}; choose from {', '.join(router.classes)}",
+                                      param=CLASS_HEADER)
+        if chat is None:  # another endpoint (e.g. /v1/models): no prompt to route by, load alone decides
+            key = prompt_key({"prompt": ""}, False, router.cfg.prefix_index)
+        else:
+            key = prompt_key(doc, chat, router.cfg.prefix_index)
+        max_tokens = doc.get("max_tokens", doc.get("max_completion_tokens", 16))
+        if max_tokens is None:
+            max_tokens = 16
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+            raise InvalidRequestError("'max_tokens' must be a non-negative integer", param="max_tokens")
+        self.streaming = doc.get("stream") is True
+        ctx = router.new_request(key, router.classes[name], max_tokens)
+        if self.subset is not None:
+            by_endpoint = {endpoint_of(w.url): w.url for w in router.pool}
+            ctx.only = frozenset(by_endpoint[e] for e in self.subset if e in by_endpoint)
+        return ctx
+
+    async def _pick(self, body: bytes, phase: str) -> list[pb.ProcessingResponse]:
+        router, m = self.router, self.metrics
+        t0 = time.perf_counter()
+        try:
+            ctx = self._new_request(body)
+        except InvalidRequestError as e:
+            m.requests.labels("bad_request").inc()
+            return [_immediate(400, str(e), "invalid_request")]
+        if router.in_flight >= router.cfg.max_in_flight:
+            router.metrics.rejections.labels(ctx.cls.name, "overloaded").inc()
+            m.requests.labels("unavailable").inc()
+            return [_immediate(503, f"the router has {router.in_flight} requests in flight (max_in_flight)",
+                               "overloaded", 1.0)]
+        router.in_flight += 1
+        self.counted = True
+        try:
+            self.flight = await router.acquire(ctx)
+        except Refused as e:
+            router.metrics.requests.labels(ctx.cls.name, "rejected").inc()
+            m.requests.labels("shed" if e.status == 429 else "unavailable").inc()
+            self.close()
+            return [_immediate(e.status, str(e), e.reason, e.retry_after_s)]
+        self.ctx = ctx
+        if not (self.streaming and self.response_bodies):
+            # no first token to observe (a non-streaming answer comes whole; or the gateway sends no response
+            # body): the prefill is taken as done when predicted, as the proxy does for non-streaming requests
+            self.prefill_timer = asyncio.get_running_loop().call_later(
+                max(0.0, self.flight.predicted_ttft_s), router.end_prefill, self.flight)
+        m.decision.observe(time.perf_counter() - t0)
+        m.requests.labels("picked").inc()
+        common, md = _destination(endpoint_of(self.flight.worker))
+        if phase == "request_headers":
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md)]
+        if self.full_duplex_request:  # the held headers, then the whole body
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md),
+                    self._body_passthrough(body, True)]
+        return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)]
+
+    def _served(self, md: base_pb2.Metadata, headers: pb.HttpHeaders) -> None:
+        """The gateway answered: move the load to the endpoint that served it if that is another one."""
+        if self.flight is None:
+            return
+        router = self.router
+        served = _metadata_value(md, LB_NAMESPACE, SERVED_KEY)
+        served = _split_endpoints(served)[0] if served else None
+        if served and served != endpoint_of(self.flight.worker):
+            url = next((w.url for w in router.pool if endpoint_of(w.url) == served and not w.draining), None)
+            if url is not None:
+                self.metrics.requests.labels("fallback").inc()
+                router.finish(self.ctx, self.flight, 0, None)
+                w = router.pool.get(url)
+                self.flight = w.start(self.ctx.request_id, self.flight.uncached_tokens, self.flight.predicted_ttft_s,
+                                      router.clock(), self.flight.ttft_deadline_s, self.ctx.max_tokens,
+                                      prompt_tokens=self.ctx.prompt_tokens)
+                self.ctx.tried.add(url)
+                if self.prefill_timer is not None:
+                    self.prefill_timer.cancel()
+                    self.prefill_timer = asyncio.get_running_loop().call_later(
+                        max(0.0, self.flight.predicted_ttft_s), router.end_prefill, self.flight)
+        status = next((_header_value(h) for h in headers.headers.headers if h.key == ":status"), "200")
+        self.outcome = "ok" if status.startswith("2") else "failed"
+        if not status.startswith("2"):
+            self.close()
+
+    def _response_chunk(self, chunk: bytes, eos: bool) -> None:
+        if self.flight is None:
+            return
+        if self.streaming and chunk:
+            events = chunk.count(b"data:") - chunk.count(b"[DONE]")
+            if self.flight.first_token_s is None and events > 0:
+                self.router.first_token(self.ctx, self.flight)
+                events -= 1
+            if events > 0 and self.flight.first_token_s is not None:
+                self.router.output_tokens(self.flight, events)
+                self.output_events += events
+        if eos:
+            self.close()
+
+    def close(self) -> None:
+        """The request is over (answered, refused, or the gateway closed the stream)."""
+        if self.done:
+            return
+        self.done = True
+        if self.prefill_timer is not None:
+            self.prefill_timer.cancel()
+        if self.flight is not None:
+            tokens = self.output_events + (self.flight.first_token_s is not None)
+            self.router.finish(self.ctx, self.flight, tokens, None)
+            self.router.metrics.requests.labels(self.ctx.cls.name, self.outcome).inc()
+        if self.counted:
+            self.router.in_flight -= 1
+            self.counted = False
+
+
+class EndpointPicker(pb_grpc.ExternalProcessorServicer):
+    def __init__(self, router: Router):
+        self.router = router
+        self.metrics = EppMetrics(router.metrics.registry)
+
+    async def Process(self, request_iterator, context):
+        ex = _Exchange(self.router, self.metrics)
+        try:
+            async for req in request_iterator:
+                for resp in await ex.handle(req):
+                    yield resp
+        finally:
+            ex.close()
+
+
+class EppServer:
+    """The gRPC server: ext_proc + health, on the router's event loop."""
+
+    def __init__(self, router: Router, host: str, port: int):
+        self.router = router
+        self.server = grpc.aio.server()
+        self.picker = EndpointPicker(router)
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.picker, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port} for the EPP")
+
+    async def start(self, ready: bool) -> None:
+        await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        await self.set_ready(ready)
+        await self.server.start()
+
+    async def set_ready(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", "readiness", EXT_PROC_SERVICE):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        await self.server.stop(grace_s)
