@@ -31,6 +31,15 @@ from tokenmill.sim.cost_model import CostModel, StepShape
 OUTPUT_TOKEN = 1  # every simulated output token (the sim has no model; outputs run to max_tokens)
 
 
+class SimKVCacheManager(KVCacheManager):
+    """The real KV manager; only `block_ids` -- the block table the scheduler copies into each ScheduledSeq for
+    the model runner, O(context) per sequence per step and read by nothing but the runner -- is left empty, as
+    the sim has no runner. Allocation, prefix lookups, registration and eviction are the real ones."""
+
+    def block_ids(self, req: Request) -> list[int]:
+        return []
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     num_blocks: int
@@ -53,7 +62,7 @@ class SimWorker:
 
     def __init__(self, name: str, cfg: WorkerConfig, cost: CostModel, loop: EventLoop, on_token: Callable):
         self.name, self.cfg, self.cost, self.loop, self.on_token = name, cfg, cost, loop, on_token
-        self.kv = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv = SimKVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                                    cfg.max_waiting_requests), self.kv)
         self.step_budget = StepBudget(StepBudgetConfig(enabled=cfg.step_budget))
