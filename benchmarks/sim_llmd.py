@@ -32,16 +32,18 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--slo", default="ttft=10000,tpot=100")
     ap.add_argument("--policies", default="prefix,prefix-load")
+    ap.add_argument("--zipf", type=float, default=0.0, help="group popularity skew (shared-prefix zipf=)")
     ap.add_argument("--out", default="/tmp/sim_llmd")
     args = ap.parse_args()
     out = Path(args.out)
+    workload = WORKLOAD + (f",zipf={args.zipf:g}" if args.zipf else "")
     print(f"ISA: {capabilities().summary()}")
     rows = []
     for rate in args.rates.split(","):
         for pol in args.policies.split(","):
             dest = out / f"{pol}-{rate}"
             cmd = [sys.executable, "-m", "tokenmill", "sim", "--model", "qwen3-32b", "--hardware", "h100", "--tp", "2",
-                   "--workers", "8", "--router", pol, "--admission", "off", "--workload", WORKLOAD, "--rate", rate,
+                   "--workers", "8", "--router", pol, "--admission", "off", "--workload", workload, "--rate", rate,
                    "--duration", str(args.duration), "--slo", args.slo, "--no-token-times", "--no-plots",
                    "--out", str(dest)]
             t0 = time.perf_counter()
@@ -50,7 +52,7 @@ def main() -> None:
             d = json.loads((dest / "result.json").read_text())
             rows.append((rate, pol, d["summary"], d["sim"]["levels"][0], wall))
     print(f"\n`{' '.join(['tokenmill sim --model qwen3-32b --hardware h100 --tp 2 --workers 8 --admission off',
-                        '--workload', WORKLOAD, '--duration', str(args.duration), '--slo', args.slo])} "
+                        '--workload', workload, '--duration', str(args.duration), '--slo', args.slo])} "
           f"--router POLICY --rate R`\n")
     print("| rate req/s | policy | success (SLO) | TTFT p50 s | TTFT p90 s | TTFT max s | TPOT p50 ms | "
           "prefix hit | throughput req/s | sim wall s |")
