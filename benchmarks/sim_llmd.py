@@ -51,9 +51,9 @@ def main() -> None:
             wall = time.perf_counter() - t0
             d = json.loads((dest / "result.json").read_text())
             rows.append((rate, pol, d["summary"], d["sim"]["levels"][0], wall))
-    print(f"\n`{' '.join(['tokenmill sim --model qwen3-32b --hardware h100 --tp 2 --workers 8 --admission off',
-                        '--workload', workload, '--duration', str(args.duration), '--slo', args.slo])} "
-          f"--router POLICY --rate R`\n")
+    line = " ".join(["tokenmill sim --model qwen3-32b --hardware h100 --tp 2 --workers 8 --admission off",
+                     "--workload", workload, "--duration", str(args.duration), "--slo", args.slo])
+    print(f"\n`{line} --router POLICY --rate R`\n")
     print("| rate req/s | policy | success (SLO) | TTFT p50 s | TTFT p90 s | TTFT max s | TPOT p50 ms | "
           "prefix hit | throughput req/s | sim wall s |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")

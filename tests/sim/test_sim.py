@@ -269,3 +269,18 @@ def test_calibrate_measures_the_real_engine(tmp_path):
     small = cal.step_s(StepShape(tokens=16, prefill_tokens=16, attn_pairs=136, logits=1))
     big = cal.step_s(StepShape(tokens=1024, prefill_tokens=1024, attn_pairs=1024 * 1025 / 2, logits=1))
     assert 0 < small < big  # more work costs more on the real engine
+
+
+def test_sim_takes_every_workload_flag_of_bench():
+    from tokenmill.cli import build_parser
+
+    def options(cmd):
+        parser = build_parser([cmd])
+        sub = next(a for a in parser._actions if a.dest == "command").choices[cmd]
+        return {o for a in sub._actions for o in a.option_strings}
+
+    bench, sim_ = options("bench"), options("sim")
+    shared = {"--workload", "--rate", "--concurrency", "--sweep", "--arrival", "--burstiness", "--duration",
+              "--num-requests", "--slo", "--out", "--seed", "--sweep-target", "--sweep-trials", "--sweep-tol",
+              "--no-plots"}
+    assert shared <= bench and shared <= sim_
