@@ -134,13 +134,16 @@ def write_profile(profile: dict, out: str | Path) -> None:
 
 
 def measure_serving(profile: dict, model: str, engine_args: list[str], concurrencies=(1, 4, 16),
-                    prompt: int = 128, output: int = 64, port: int = 18473, log=print) -> dict:
+                    prompt: int = 128, output: int = 64, long_prompt: int = 1024, port: int = 18473,
+                    log=print) -> dict:
     """The serving overhead on top of the engine fit: a real `tokenmill serve` (admission off) under a closed
     loop of C streams (fixed prompt and output lengths) measured by `tokenmill bench` in its own process, for
     each C. In steady state a stream's TPOT is one step of ~C decodes, so
 
         TPOT_real(C) - engine_fit(C decodes at the mean context) = step_s + per_seq_s x C   (fitted, >= 0)
-        request_s = TTFT_real(C=1) - engine_fit(one prefill of `prompt`) - step_s - per_seq_s
+        TTFT_real(C=1, P) = request_s + prefill_scale x engine_fit(one prefill of P tokens) + step_s + per_seq_s
+                            for P = `prompt` and `long_prompt` (two equations: the per-request delay, and how
+                            much slower a prefill runs inside the server than in-process)
 
     The bench client shares the machine with the server, as it does in the fidelity runs."""
     import os
@@ -176,16 +179,22 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], concurren
         from tokenmill.model.loader import resolve_model_path
 
         tok = str(resolve_model_path(model))
-        for c in concurrencies:
-            out = tmp / f"c{c}"
+        def run(c: int, p: int, tag: str) -> dict:
+            out = tmp / tag
             n = max(3 * c, 12)
             subprocess.run([py, "-m", "tokenmill", "bench", "--target", url, "--model", model, "--tokenizer", tok,
-                            "--workload", f"batch:prompt={prompt},output={output},spread=0", "--concurrency", str(c),
+                            "--workload", f"batch:prompt={p},output={output},spread=0", "--concurrency", str(c),
                             "--num-requests", str(n), "--out", str(out), "--no-plots", "--no-progress"],
                            check=True, env=env, stdout=subprocess.DEVNULL)
             s = json.loads((out / "result.json").read_text())["summary"]
+            log(f"  serving: {c} streams, prompt {p}: TPOT p50 {s['tpot_ms']['p50']:.2f} ms, "
+                f"TTFT p50 {s['ttft_ms']['p50']:.1f} ms")
+            return s
+
+        for c in concurrencies:
+            s = run(c, prompt, f"c{c}")
             points.append((c, s["tpot_ms"]["p50"] / 1000, s["ttft_ms"]["p50"] / 1000))
-            log(f"  serving: {c} streams: TPOT p50 {s['tpot_ms']['p50']:.2f} ms, TTFT p50 {s['ttft_ms']['p50']:.1f} ms")
+        long_ttft_s = run(min(concurrencies), long_prompt, "long")["ttft_ms"]["p50"] / 1000
     finally:
         if server.poll() is None:
             server.send_signal(signal.SIGINT)
@@ -202,9 +211,15 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], concurren
         y.append(max(0.0, tpot - engine))
     step_s, per_seq_s = nnls(np.array(x), np.array(y))
     c1 = next(p for p in points if p[0] == min(concurrencies))
-    prefill = fit.engine_step_s(StepShape(tokens=prompt, prefill_tokens=prompt, attn_pairs=prompt * (prompt + 1) / 2,
-                                          logits=1))
-    request_s = max(0.0, c1[2] - prefill - step_s - per_seq_s)
+
+    def prefill_s(n: int) -> float:
+        return fit.engine_step_s(StepShape(tokens=n, prefill_tokens=n, attn_pairs=n * (n + 1) / 2, logits=1))
+
+    short, long_ = prefill_s(prompt), prefill_s(long_prompt)
+    scale = max(1.0, (long_ttft_s - c1[2]) / (long_ - short)) if long_ > short else 1.0
+    request_s = max(0.0, c1[2] - scale * short - step_s - per_seq_s)
     return {"step_s": float(step_s), "per_seq_s": float(per_seq_s), "request_s": float(request_s),
+            "prefill_scale": float(scale),
             "points": [{"concurrency": c, "tpot_s": t, "ttft_s": f} for c, t, f in points],
+            "long_prompt": long_prompt, "long_prompt_ttft_s": long_ttft_s,
             "prompt": prompt, "output": output}

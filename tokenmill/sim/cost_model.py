@@ -18,6 +18,7 @@ measured through a real `tokenmill serve` (what the engine thread loses to the H
 streamed token, and the per-request delay before a request reaches the engine):
 
     step_s += serving.step_s + serving.per_seq_s x logits;   request_overhead_s = serving.request_s
+    (prefill-token and attention coefficients x serving.prefill_scale)
 """
 
 from __future__ import annotations
@@ -153,6 +154,9 @@ class Calibrated(CostModel):
         self._c = np.asarray(self.coef, dtype=np.float64)
         c = self._c_list = [float(c) for c in self.coef]
         serving = self.profile.get("serving") or {}
+        scale = float(serving.get("prefill_scale", 1.0))  # a prefill runs this much slower inside the server
+        c[1] *= scale
+        c[3] *= scale
         c[0] += float(serving.get("step_s", 0.0))
         c[5] += float(serving.get("per_seq_s", 0.0))
         self.request_overhead_s = float(serving.get("request_s", 0.0))
