@@ -5,6 +5,7 @@
     tokenmill serve [--model demo] [--port 8000]
     tokenmill bench --target http://127.0.0.1:8000 --workload chat --rate 4 --out results/
     tokenmill route --worker http://127.0.0.1:8001 --worker http://127.0.0.1:8002
+    tokenmill sim --model demo --hardware profile.json --workers 4 --workload chat --rate 8 --out results/sim
 
 Each subcommand lives in its own module, which exposes `add_parser(subparsers)`; the parser's
 `func(args) -> int` runs it. Modules are imported lazily so `tokenmill --help` stays fast.
@@ -23,6 +24,7 @@ SUBCOMMANDS = {
     "serve": "tokenmill.server.cli",
     "bench": "tokenmill.bench.cli",
     "route": "tokenmill.router.cli",
+    "sim": "tokenmill.sim.cli",
 }
 
 

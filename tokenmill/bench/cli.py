@@ -25,12 +25,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", help="model name (default: the first listed by GET /v1/models)")
     p.add_argument("--tokenizer", metavar="DIR", help="directory with tokenizer.json for exact prompt lengths "
                    "(default: --model when it is a local directory; else an approximation the report states)")
-    p.add_argument("--workload", action="append", metavar="SPEC",
-                   help="chat | agent | batch | shared-prefix | trace:FILE | mix:NAME=W,... ; parameters as "
-                   "NAME:key=value,... ; repeat as SPEC@WEIGHT for a mix (default: chat)")
+    add_workload_args(p)
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--prompt-format", choices=["tokens", "text"],
                    help="tokens: token-id prompts, exact lengths (default with a tokenizer on completions)")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (outputs may be shorter)")
+    p.add_argument("--extra-body", metavar="JSON", help="fields merged into every request body")
+    p.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty(),
+                   help="live progress bar on stderr (default: when stderr is a terminal)")
+    p.set_defaults(func=run)
+    return p
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload, arrival, load, SLO, sweep and output flags: `tokenmill bench` and `tokenmill sim` share
+    them (same names, same meaning), so one line switches a benchmark between a server and the simulator."""
+    p.add_argument("--workload", action="append", metavar="SPEC",
+                   help="chat | agent | batch | shared-prefix | trace:FILE | mix:NAME=W,... ; parameters as "
+                   "NAME:key=value,... ; repeat as SPEC@WEIGHT for a mix (default: chat)")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, help="open loop: requests/s (with --sweep: the first rate tried)")
     load.add_argument("--concurrency", type=int, help="closed loop: sessions in flight at once")
@@ -47,15 +61,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--sweep-target", type=float, default=0.9, help="SLO attainment a rate must reach")
     p.add_argument("--sweep-trials", type=int, default=8, help="at most this many load levels")
     p.add_argument("--sweep-tol", type=float, default=0.1, help="stop when (hi - lo) / hi <= this")
-    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
-    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (outputs may be shorter)")
-    p.add_argument("--extra-body", metavar="JSON", help="fields merged into every request body")
-    p.add_argument("--api-key", help="sent as Authorization: Bearer KEY")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=sys.stderr.isatty(),
-                   help="live progress bar on stderr (default: when stderr is a terminal)")
     p.add_argument("--no-plots", action="store_true")
-    p.set_defaults(func=run)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:

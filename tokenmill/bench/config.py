@@ -48,26 +48,7 @@ class BenchConfig:
 
     @staticmethod
     def from_args(args) -> BenchConfig:
-        workloads = tuple(args.workload or ["chat"])
-        finite = len(workloads) == 1 and workload_class(workloads[0]).finite
-        num_requests = args.num_requests
-        if num_requests is None and args.duration is None and not finite:
-            num_requests = DEFAULT_NUM_REQUESTS
-        if args.sweep and args.concurrency is not None:
-            raise CLIError("--sweep searches a request rate; it cannot be combined with --concurrency")
-        if args.concurrency is not None:
-            mode = "concurrency"
-        elif args.rate is not None or args.sweep:
-            mode = "rate"
-        elif finite:
-            mode = "trace"
-        else:
-            raise CLIError("give the load: --rate R (requests/s), --concurrency C, or --sweep")
-        rate = args.rate if args.rate is not None else (1.0 if args.sweep else None)
-        load = LoadConfig(mode, rate=rate, concurrency=args.concurrency, arrival=args.arrival,
-                          burstiness=args.burstiness, duration_s=args.duration, num_requests=num_requests)
-        sweep = SweepConfig(target=args.sweep_target, start_rate=rate, max_trials=args.sweep_trials,
-                            rel_tol=args.sweep_tol) if args.sweep else None
+        workloads, load, sweep = load_from_args(args)
         try:
             extra = json.loads(args.extra_body) if args.extra_body else {}
         except json.JSONDecodeError as e:
@@ -80,3 +61,29 @@ class BenchConfig:
             sweep=sweep, slos=tuple(args.slo or ()), seed=args.seed, ignore_eos=not args.no_ignore_eos,
             request_timeout_s=args.request_timeout, api_key=args.api_key, extra_body=extra,
             progress=args.progress, plots=not args.no_plots, command=tuple(args.command_line))
+
+
+def load_from_args(args) -> tuple[tuple[str, ...], LoadConfig, SweepConfig | None]:
+    """The workload specs, load level and sweep of the shared flags (bench/cli.add_workload_args): `tokenmill
+    bench` and `tokenmill sim` read them the same way."""
+    workloads = tuple(args.workload or ["chat"])
+    finite = len(workloads) == 1 and workload_class(workloads[0]).finite
+    num_requests = args.num_requests
+    if num_requests is None and args.duration is None and not finite:
+        num_requests = DEFAULT_NUM_REQUESTS
+    if args.sweep and args.concurrency is not None:
+        raise CLIError("--sweep searches a request rate; it cannot be combined with --concurrency")
+    if args.concurrency is not None:
+        mode = "concurrency"
+    elif args.rate is not None or args.sweep:
+        mode = "rate"
+    elif finite:
+        mode = "trace"
+    else:
+        raise CLIError("give the load: --rate R (requests/s), --concurrency C, or --sweep")
+    rate = args.rate if args.rate is not None else (1.0 if args.sweep else None)
+    load = LoadConfig(mode, rate=rate, concurrency=args.concurrency, arrival=args.arrival,
+                      burstiness=args.burstiness, duration_s=args.duration, num_requests=num_requests)
+    sweep = SweepConfig(target=args.sweep_target, start_rate=rate, max_trials=args.sweep_trials,
+                        rel_tol=args.sweep_tol) if args.sweep else None
+    return workloads, load, sweep

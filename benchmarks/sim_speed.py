@@ -1,0 +1,100 @@
+"""Speed of `tokenmill sim`: events per second and wall time per simulated worker-hour, on Mooncake-shaped
+traffic, at several cluster sizes; then an extrapolation to 1,000 workers x 1 hour from a fitted cost.
+
+    flock /tmp/cpu.lock python benchmarks/sim_speed.py --workers 4,16,64 --duration 60
+
+The trace: a synthetic Mooncake-format JSONL (timestamp ms, input_length, output_length, hash_ids of 512-token
+blocks) shaped like the published Mooncake conversation trace -- lognormal inputs with mean ~7.6k tokens,
+outputs mean ~180 tokens, and about half of the requests opening with one of 64 shared prefixes of 1-8
+blocks (the rest unique) -- written to --out. The model/hardware: Llama-3.1-8B on one H100 per worker
+(roofline), prefix-load routing with leading admission, `--no-token-times` (no per-token record). The load is
+`--per-worker-rate` requests/s per worker. Wall time is split by a least-squares fit
+
+    wall_s = a x engine steps + b x requests + c x requests x workers      (c: the router's O(N) snapshot)
+
+and the target is extrapolated from the fit (with the steps and requests per worker-second measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tokenmill.bench.runner import LoadConfig
+from tokenmill.hardware import capabilities
+from tokenmill.router.config import RouterConfig
+from tokenmill.sim.simulation import SimConfig, run_simulation
+
+
+def write_trace(path: Path, n: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    prefixes = [list(range(1000 * i, 1000 * i + int(rng.integers(1, 9)))) for i in range(64)]
+    next_id = 10**7
+    with path.open("w") as f:
+        for i in range(n):
+            inp = int(min(max(64, rng.lognormal(np.log(7600) - 0.5, 1.0)), 120000))
+            out = int(min(max(1, rng.lognormal(np.log(180) - 0.32, 0.8)), 2000))
+            blocks = -(-inp // 512)
+            ids = list(prefixes[int(rng.integers(64))][:blocks]) if rng.random() < 0.5 else []
+            ids += list(range(next_id, next_id + blocks - len(ids)))
+            next_id += blocks
+            f.write(json.dumps({"timestamp": i * 1000, "input_length": inp, "output_length": out, "hash_ids": ids}) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", default="4,16,64")
+    ap.add_argument("--duration", type=float, default=60.0, help="simulated seconds of arrivals per run")
+    ap.add_argument("--per-worker-rate", type=float, default=1.5, help="requests/s per worker")
+    ap.add_argument("--out", default="/tmp/sim_speed")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = [int(w) for w in args.workers.split(",")]
+    trace = out / "mooncake_shaped.jsonl"
+    n = int(max(sizes) * args.per_worker_rate * args.duration * 1.1) + 10
+    write_trace(trace, n)
+    print(f"ISA: {capabilities().summary()}")
+    print(f"python {sys.version.split()[0]}; trace {trace} ({n} rows)")
+    rows = []
+    for w in sizes:
+        cfg = SimConfig(model="llama-3.1-8b", hardware="h100", out=out / f"w{w}", workers=w, router=RouterConfig(),
+                        workloads=(f"trace:{trace}",),
+                        load=LoadConfig("rate", rate=w * args.per_worker_rate, duration_s=args.duration),
+                        plots=False, record_chunks=False)
+        t0 = time.perf_counter()
+        result, sim = run_simulation(cfg)
+        wall = time.perf_counter() - t0
+        lvl, s = sim["levels"][0], result.runs[0].summary
+        rows.append((w, s.requests, lvl["steps"], lvl["events"], lvl["wall_s"], wall, lvl["simulated_s"], s))
+    print("\n| workers | requests | steps | events | sim wall s | events/s | simulated s | sim-s per wall-s | "
+          "completed | TTFT p50 ms | TPOT p50 ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for w, req, steps, ev, wall, total, simulated, s in rows:
+        print(f"| {w} | {req} | {steps} | {ev} | {wall:.1f} | {ev / wall:.0f} | {simulated:.0f} | "
+              f"{simulated / wall:.2f} | {s.completed} | {s.ttft_ms.p50 if s.ttft_ms else 0:.0f} | "
+              f"{s.tpot_ms.p50 if s.tpot_ms else 0:.1f} |")
+    x = np.array([[steps, req, req * w] for w, req, steps, *_ in rows], dtype=float)
+    y = np.array([r[4] for r in rows])
+    from tokenmill.sim.cost_model import nnls
+
+    a, b, c = nnls(x, y)
+    steps_per_worker_s = np.mean([r[2] / (r[0] * r[6]) for r in rows])
+    target_w, target_s = 1000, 3600.0
+    req_total = target_w * args.per_worker_rate * target_s
+    steps_total = steps_per_worker_s * target_w * target_s
+    est = a * steps_total + b * req_total + c * req_total * target_w
+    print(f"\nfit: {1e6 * a:.1f} us per engine step, {1e3 * b:.2f} ms per request, {1e6 * c:.2f} us per request per "
+          f"worker (routing snapshot)")
+    print(f"1,000 workers x 1 h at {args.per_worker_rate:g} req/s/worker: {req_total:.3g} requests, "
+          f"{steps_total:.3g} steps -> {est / 60:.0f} min wall (one process) "
+          f"[{a * steps_total / 60:.0f} steps + {b * req_total / 60:.0f} requests + {c * req_total * target_w / 60:.0f} routing]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""tokenmill sim: the real scheduler / router code on a virtual clock, cost models, catalogs, CLI."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokenmill.bench.runner import LoadConfig
+from tokenmill.cli import main
+from tokenmill.router.config import RouterConfig
+from tokenmill.sim.cost_model import FEATURES, PROFILE_KIND, Calibrated, Roofline, StepShape, nnls
+from tokenmill.sim.hardware import CATALOG as HW
+from tokenmill.sim.models import CATALOG as MODELS
+from tokenmill.sim.simulation import SimConfig, run_simulation
+
+
+def profile(tmp_path: Path, coef, serving=None, model="demo", name="p.json") -> str:
+    data = {"kind": PROFILE_KIND, "model": model, "features": list(FEATURES), "coef": list(coef),
+            "engine": {"kv_cache_bytes": 64 << 20, "max_num_batched_tokens": 2048, "kv_bytes_per_value": 2.0}}
+    if serving:
+        data["serving"] = serving
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def sim(tmp_path, hardware, workload, load, workers=1, policy="round-robin", admission="off", **kw):
+    router = RouterConfig(policy=policy)
+    router = replace(router, admission=replace(router.admission, mode=admission))
+    cfg = SimConfig(model=kw.pop("model", "demo"), hardware=hardware, out=tmp_path / "out", workers=workers,
+                    router=router, workloads=(workload,), load=load, plots=False, **kw)
+    return run_simulation(cfg)
+
+
+# -- against hand-computed references ---------------------------------------------------------------
+
+def test_constant_step_closed_loop_matches_hand_computation(tmp_path):
+    """One worker, one stream, a 10 ms step whatever it holds and 4 ms before the engine: the first token
+    comes with the one prefill step (14 ms after sending), every next token one step later."""
+    hw = profile(tmp_path, [0.010, 0, 0, 0, 0, 0], serving={"step_s": 0, "per_seq_s": 0, "request_s": 0.004})
+    result, _ = sim(tmp_path, hw, "batch:prompt=100,output=20,spread=0", LoadConfig("concurrency", concurrency=1,
+                    num_requests=5))
+    recs = sorted(result.runs[0].records, key=lambda r: r.session)
+    assert len(recs) == 5 and all(r.ok for r in recs)
+    for r in recs:
+        assert r.ttft_s == pytest.approx(0.014)
+        assert r.tpot_s == pytest.approx(0.010)
+        assert r.e2e_s == pytest.approx(0.014 + 19 * 0.010)
+        assert r.output_tokens == 20
+    assert recs[1].sent_s == pytest.approx(recs[0].end_s)  # closed loop: the next session starts at the reply
+
+
+def test_two_streams_share_steps_and_prefill_is_chunked(tmp_path):
+    """Per-token cost 1 ms per prefill token + 5 ms per step; budget 64 tokens: a 150-token prompt takes
+    3 chunked steps (64 + 64 + 22 tokens) = 5+64, 5+64, 5+22 ms."""
+    hw = profile(tmp_path, [0.005, 0.001, 0, 0, 0, 0])
+    result, _ = sim(tmp_path, hw, "batch:prompt=150,output=4,spread=0", LoadConfig("concurrency", concurrency=1,
+                    num_requests=1), max_num_batched_tokens=64, step_budget=False)
+    (r,) = result.runs[0].records
+    assert r.ttft_s == pytest.approx(0.069 + 0.069 + 0.027)
+    assert r.tpot_s == pytest.approx(0.005)
+
+
+def test_roofline_matches_datasheet_arithmetic():
+    """Llama-3.1-8B on one H100: decode at batch 1 is bandwidth bound (16.06 GB of bf16 weights at
+    3.35 TB/s x 0.8), an 8k prefill compute bound (2 x 7.5 G non-embedding-active FLOPs/token at 989 TF x 0.5)."""
+    m, hw = MODELS["llama-3.1-8b"], HW["h100"]
+    rf = Roofline(m, hw)
+    fixed = 0.002 + 32 * 10e-6
+    weights = 2 * (8.030e9 - 128256 * 4096)  # bf16, the input embedding is not read by a matmul
+    decode = rf.step_s(StepShape(tokens=1, decode_seqs=1, attn_pairs=1, decode_ctx=1, logits=1))
+    assert decode == pytest.approx(weights / (3.35e12 * 0.8) + fixed, rel=0.01)
+    prefill = rf.step_s(StepShape(tokens=8192, prefill_tokens=8192, attn_pairs=8192 * 8193 / 2, logits=1))
+    linear = 2 * (7.5047e9 - 128256 * 4096) * 8192 + 2 * 128256 * 4096
+    attn = 4 * 32 * 32 * 128 * 8192 * 8193 / 2
+    assert prefill == pytest.approx((linear + attn) / (989e12 * 0.5) + fixed, rel=0.01)
+    # two GPUs (TP): at least the all-reduces on top of half the time
+    rf2 = Roofline(m, hw, replace(rf.p, tp=2))
+    assert rf2.step_s(StepShape(tokens=8192, prefill_tokens=8192, attn_pairs=8192 * 8193 / 2, logits=1)) < prefill
+
+
+@pytest.mark.parametrize("name,total_b,active_b", [
+    ("llama-3.1-8b", 8.03, None), ("llama-3.1-70b", 70.6, None), ("llama-3.1-405b", 405.9, None),
+    ("qwen3-32b", 32.8, None), ("deepseek-v3", 671, 37)])
+def test_model_catalog_parameter_counts_match_published(name, total_b, active_b):
+    m = MODELS[name]
+    assert m.params_total() / 1e9 == pytest.approx(total_b, rel=0.01)
+    if active_b:
+        assert m.params_active() / 1e9 == pytest.approx(active_b, rel=0.03)
+        # a one-token step reads the dense weights and ~9 experts per MoE layer, not all 256
+        assert m.weight_params_read(1) < 0.1 * m.params_total()
+        assert m.weight_params_read(10000) == pytest.approx(m.params_total() - m.vocab * m.hidden, rel=0.02)
+
+
+def test_kv_bytes_per_token():
+    assert MODELS["llama-3.1-8b"].kv_bytes_per_token() == 32 * 2 * 8 * 128 * 2  # 128 KiB
+    assert MODELS["deepseek-v3"].kv_bytes_per_token() == 61 * (512 + 64) * 2  # MLA latent + rope key
+    assert MODELS["deepseek-v3"].kv_bytes_per_token(1) == 61 * 576
+
+
+def test_model_from_config_json(tmp_path):
+    from tokenmill.sim.models import get_model
+
+    cfg = {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4, "num_hidden_layers": 12,
+           "intermediate_size": 2816, "vocab_size": 32000, "max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = get_model(str(tmp_path))
+    assert m.kv_bytes_per_token() == 12 * 2 * 4 * 64 * 2 and m.max_position == 4096
+
+
+def test_nnls_recovers_coefficients():
+    rng = np.random.default_rng(0)
+    x = np.column_stack([np.ones(200), rng.uniform(0, 2048, 200), rng.integers(0, 64, 200)])
+    true = np.array([0.002, 5e-5, 0.0])
+    y = x @ true * rng.uniform(0.98, 1.02, 200)
+    coef = nnls(x, y, weights=1 / y)
+    assert (coef >= 0).all()
+    assert coef[0] == pytest.approx(0.002, rel=0.05) and coef[1] == pytest.approx(5e-5, rel=0.05)
+
+
+def test_step_shape_from_the_real_scheduler():
+    from tokenmill.engine.kv.kv_manager import KVCacheManager
+    from tokenmill.engine.request import Request
+    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
+
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=100), KVCacheManager(64, 16, True))
+    s.add(Request("a", list(range(1, 61)), SamplingParams()))
+    s.add(Request("b", list(range(100, 180)), SamplingParams()))
+    shape = StepShape.of(s.schedule())
+    assert (shape.tokens, shape.prefill_tokens, shape.decode_seqs, shape.logits) == (100, 100, 0, 1)
+    assert shape.attn_pairs == 60 * 61 / 2 + 40 * 41 / 2
+
+
+# -- the real code, not a copy ------------------------------------------------------------------------
+
+def test_a_patched_routing_policy_changes_the_simulation(tmp_path, monkeypatch):
+    """The sim routes with router.policies itself: a policy that always picks the last worker sends it all."""
+    from tokenmill.router import policies
+
+    hw = profile(tmp_path, [0.002, 1e-5, 0, 0, 0, 1e-4])
+    load = LoadConfig("rate", rate=20, num_requests=40)
+    _, before = sim(tmp_path, hw, "shared-prefix:groups=4,prompts=4,system=256,question=32,output=16", load,
+                    workers=3, policy="least-load")
+    assert before["levels"][0]["gpus"] == 3  # 3 one-GPU workers
+
+    def last_worker(snap, p):
+        w = snap.routable(snap.request.exclude)
+        return policies.RouteChoice(w[-1].url, "patched") if w else policies.NO_WORKER
+
+    monkeypatch.setitem(policies.POLICIES, "least-load", last_worker)
+    seen = []
+    orig = __import__("tokenmill.sim.worker", fromlist=["SimWorker"]).SimWorker.add
+
+    def spy(self, request_id, *a, **k):
+        seen.append(self.name)
+        return orig(self, request_id, *a, **k)
+
+    monkeypatch.setattr("tokenmill.sim.worker.SimWorker.add", spy)
+    sim(tmp_path, hw, "shared-prefix:groups=4,prompts=4,system=256,question=32,output=16", load, workers=3,
+        policy="least-load")
+    assert len(seen) == 40 and set(seen) == {"http://sim-worker-2"}
+
+
+def test_a_patched_admission_and_scheduler_change_the_simulation(tmp_path, monkeypatch):
+    import tokenmill.router.router as router_mod
+    from tokenmill.engine.scheduler import Scheduler
+    from tokenmill.router.admission import Admission
+
+    hw = profile(tmp_path, [0.002, 1e-5, 0, 0, 0, 1e-4])
+    load = LoadConfig("rate", rate=10, num_requests=10)
+    calls = []
+    orig = Scheduler.schedule
+
+    def counting(self, now=None, token_budget=None):
+        calls.append(now)
+        return orig(self, now, token_budget)
+
+    monkeypatch.setattr(Scheduler, "schedule", counting)
+    result, _ = sim(tmp_path, hw, "batch:prompt=64,output=8", load, workers=2, admission="leading")
+    assert all(r.ok for r in result.runs[0].records) and calls  # the real Scheduler stepped, on virtual time
+    assert calls == sorted(calls)
+    monkeypatch.setattr(router_mod, "admit", lambda *a, **k: Admission("reject", reason="slo", retry_after_s=1.0))
+    result, _ = sim(tmp_path, hw, "batch:prompt=64,output=8", load, workers=2, admission="leading")
+    assert [r.status for r in result.runs[0].records] == ["rejected"] * 10
+    assert {r.http_status for r in result.runs[0].records} == {429}
+
+
+def test_prefix_aware_routing_hits_the_cache_more(tmp_path):
+    hw = profile(tmp_path, [0.002, 2e-5, 0, 1e-8, 1e-7, 1e-4])
+    load = LoadConfig("rate", rate=30, num_requests=200)
+    wl = "shared-prefix:groups=8,prompts=8,system=512,question=32,output=8"
+    kv = 6 << 20  # ~2,000 tokens per worker: about 3 of the 8 groups' prompts (the pool holds all of them)
+    rr, _ = sim(tmp_path, hw, wl, load, workers=4, policy="round-robin", kv_cache_bytes=kv)
+    pl, _ = sim(tmp_path, hw, wl, load, workers=4, policy="prefix-load", kv_cache_bytes=kv)
+    hit = lambda res: res.runs[0].summary.prefix_cache_hit_rate  # noqa: E731
+    assert hit(pl) > hit(rr) + 0.1
+
+
+def test_deterministic(tmp_path):
+    hw = profile(tmp_path, [0.002, 2e-5, 0, 1e-8, 1e-7, 1e-4])
+    load = LoadConfig("rate", rate=8, num_requests=60)
+    a, _ = sim(tmp_path, hw, "chat", load, workers=2, policy="prefix-load", admission="leading")
+    b, _ = sim(tmp_path, hw, "chat", load, workers=2, policy="prefix-load", admission="leading")
+    assert [r.to_json() for r in a.runs[0].records] == [r.to_json() for r in b.runs[0].records]
+
+
+# -- command line -----------------------------------------------------------------------------------
+
+def test_cli_writes_the_bench_result_schema(tmp_path, capsys):
+    hw = profile(tmp_path, [0.002, 2e-5, 0, 1e-8, 1e-7, 1e-4])
+    out = tmp_path / "r"
+    rc = main(["sim", "--model", "demo", "--hardware", hw, "--workers", "2", "--workload", "chat", "--rate", "4",
+               "--num-requests", "30", "--out", str(out), "--no-plots", "--price-per-hour", "2.5"])
+    assert rc == 0
+    data = json.loads((out / "result.json").read_text())
+    for key in ("schema_version", "summary", "classes", "slos", "load", "workload", "target"):
+        assert key in data
+    assert data["summary"]["completed"] == 30 and data["summary"]["ttft_ms"]["p50"] > 0
+    level = data["sim"]["levels"][0]
+    hours = data["summary"]["duration_s"] / 3600
+    assert level["cost"]["usd"] == pytest.approx(2.5 * 2 * hours)
+    assert (out / "summary.md").is_file() and (out / "requests.jsonl").is_file()
+    assert "events/s" in capsys.readouterr().out
+
+
+def test_cli_sweep_and_catalog_gpu(tmp_path):
+    out = tmp_path / "s"
+    rc = main(["sim", "--model", "llama-3.1-8b", "--hardware", "h200", "--workers", "1", "--workload",
+               "chat", "--sweep", "--rate", "8", "--sweep-trials", "3", "--duration", "20", "--out", str(out),
+               "--no-plots"])
+    assert rc == 0
+    data = json.loads((out / "result.json").read_text())
+    assert len(data["sweep"]["points"]) == 3 and data["sim"]["cost_model"]["kind"] == "roofline"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--model", "demo", "--hardware", "a100", "--rate", "1"], "not in the catalog"),
+    (["--model", "nope-70b", "--hardware", "h100", "--rate", "1"], "not in the catalog"),
+    (["--model", "demo", "--hardware", "h100", "--rate", "1", "--mfu", "2"], "--mfu"),
+    (["--model", "llama-3.1-405b", "--hardware", "h100", "--rate", "1"], "does not fit"),
+    (["--model", "demo", "--rate", "1"], "--hardware"),
+])
+def test_cli_errors_are_one_line(tmp_path, capsys, argv, needle):
+    rc = main(["sim", *argv, "--out", str(tmp_path / "x"), "--no-plots"])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "Traceback" not in err
+
+
+def test_cli_profile_for_another_model_is_refused(tmp_path, capsys):
+    hw = profile(tmp_path, [0.002, 0, 0, 0, 0, 0], model="other")
+    assert main(["sim", "--model", "demo", "--hardware", hw, "--rate", "1", "--out", str(tmp_path / "x")]) == 2
+    assert "calibrated on model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrate_measures_the_real_engine(tmp_path):
+    out = tmp_path / "cal.json"
+    rc = main(["sim", "calibrate", "--model", "demo", "--out", str(out), "--contexts", "32,256", "--decodes",
+               "1,8", "--prefills", "16,128", "--repeats", "2", "--no-serving", "--kv-cache-bytes", "32MiB"])
+    assert rc == 0
+    p = json.loads(out.read_text())
+    assert p["kind"] == PROFILE_KIND and p["fit"]["samples"] >= 20 and all(c >= 0 for c in p["coef"])
+    cal = Calibrated.load(out)
+    small = cal.step_s(StepShape(tokens=16, prefill_tokens=16, attn_pairs=136, logits=1))
+    big = cal.step_s(StepShape(tokens=1024, prefill_tokens=1024, attn_pairs=1024 * 1025 / 2, logits=1))
+    assert 0 < small < big  # more work costs more on the real engine
+
+
+def test_sim_takes_every_workload_flag_of_bench():
+    from tokenmill.cli import build_parser
+
+    def options(cmd):
+        parser = build_parser([cmd])
+        sub = next(a for a in parser._actions if a.dest == "command").choices[cmd]
+        return {o for a in sub._actions for o in a.option_strings}
+
+    bench, sim_ = options("bench"), options("sim")
+    shared = {"--workload", "--rate", "--concurrency", "--sweep", "--arrival", "--burstiness", "--duration",
+              "--num-requests", "--slo", "--out", "--seed", "--sweep-target", "--sweep-trials", "--sweep-tol",
+              "--no-plots"}
+    assert shared <= bench and shared <= sim_

@@ -1,0 +1,201 @@
+"""`tokenmill sim`: the real scheduler, KV manager, router policies and admission on a virtual clock.
+
+    tokenmill sim calibrate --model demo --out profiles/this-cpu.json       # measure this machine (~1-2 min)
+    tokenmill sim --model demo --hardware profiles/this-cpu.json --workers 1 --workload chat --rate 2 --out r/sim
+    tokenmill sim --model qwen3-32b --hardware h100 --tp 2 --workers 8 --router prefix-load \\
+        --workload shared-prefix:groups=150,prompts=5,system=6000,question=1200 --rate 40 --duration 120 --out r/
+    tokenmill sim --model llama-3.1-405b --hardware b300 --tp 8 --dtype fp8 --price-per-hour 6 --sweep --out r/
+
+Every workload, arrival, SLO, sweep and --out flag is `tokenmill bench`'s (same names, same meaning), and
+the output is the bench's result.json / summary.md / plots, with a `sim` section added to result.json.
+--hardware is a calibration profile (JSON from `tokenmill sim calibrate`) or a catalog GPU (h100, h200,
+b200, b300: roofline cost model). --model is a catalog name (llama-3.1-8b/70b/405b, qwen3-32b, deepseek-v3),
+a shipped model (demo) or a directory / config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from tokenmill.bench.cli import add_workload_args
+    from tokenmill.router.admission import MODES
+    from tokenmill.router.policies import POLICIES
+
+    p = subparsers.add_parser("sim", help="simulate N workers + router on a virtual clock (real scheduler/policies)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="catalog name, shipped model or directory / config.json")
+    p.add_argument("--hardware", help="calibration profile JSON, or h100 | h200 | b200 | b300")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--router", choices=sorted(POLICIES), help="routing policy (default: the router's, prefix-load)")
+    p.add_argument("--admission", choices=MODES, help="router admission control (default: the router's, leading)")
+    p.add_argument("--router-config", metavar="FILE", help="a `tokenmill route` config (JSON/TOML); workers ignored")
+    add_workload_args(p)
+    for a in p._actions:  # `sim calibrate --out` is the calibrate subcommand's; checked in run()
+        if a.dest == "out":
+            a.required = False
+    g = p.add_argument_group("cost model and workers")
+    g.add_argument("--tp", type=int, default=1, help="GPUs per worker (roofline)")
+    g.add_argument("--dtype", default="bf16", choices=["bf16", "fp8", "fp4"], help="weights and math (roofline)")
+    g.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per cached KV value (roofline; fp8 KV: 1)")
+    g.add_argument("--mfu", type=float, default=0.5, help="share of peak FLOPs a step gets (roofline)")
+    g.add_argument("--mbu", type=float, default=0.8, help="share of peak HBM bandwidth (roofline)")
+    g.add_argument("--step-overhead-ms", type=float, default=2.0, help="per-step overhead (roofline)")
+    g.add_argument("--kv-cache-bytes", help="KV cache per worker (default: the profile's engine, or HBM left)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (default: profile's, or 8192)")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-step-budget", action="store_true", help="do not size steps to the TPOT SLO")
+    g.add_argument("--price-per-hour", type=float, help="USD per GPU-hour: cost per request and per million tokens")
+    g.add_argument("--no-token-times", action="store_true", help="do not keep every token's time (big runs)")
+    sub = p.add_subparsers(dest="sim_command", metavar="calibrate")
+    c = sub.add_parser("calibrate", help="measure this machine's engine step times and fit the cost model",
+                       description="Measure the real engine's step times over a grid and fit the calibrated cost model.")
+    c.add_argument("--model", required=True, help="shipped model name or HF-format directory")
+    c.add_argument("--out", required=True, metavar="PROFILE.json")
+    c.add_argument("--kv-cache-bytes", default="256MiB")
+    c.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    c.add_argument("--num-threads", type=int, help="torch threads (as `tokenmill serve --num-threads`)")
+    c.add_argument("--contexts", default="64,256,768,1536", help="context lengths of the grid")
+    c.add_argument("--decodes", default="1,4,8,16,32,64", help="decode batch sizes of the grid")
+    c.add_argument("--prefills", default="16,64,256,1024", help="prefill chunk sizes of the grid")
+    c.add_argument("--repeats", type=int, default=4)
+    c.add_argument("--no-serving", action="store_true", help="skip the serving-overhead measurement through a "
+                   "real `tokenmill serve` (the profile then models the engine alone)")
+    c.add_argument("--engine-profile", metavar="PROFILE.json", help="reuse this profile's engine fit (skip the "
+                   "grid); measure the serving overhead only")
+    c.add_argument("--port", type=int, default=18473, help="port of the server the serving measurement starts")
+    c.set_defaults(func=run_calibrate)
+    p.set_defaults(func=run)
+    return p
+
+
+def _ints(flag: str, text: str) -> tuple[int, ...]:
+    from tokenmill.cli import CLIError
+
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise CLIError(f"{flag} {text!r}: expected comma-separated integers") from None
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from tokenmill.engine.config import parse_bytes
+    from tokenmill.sim.calibrate import Grid, calibrate, write_profile
+
+    grid = Grid(_ints("--contexts", args.contexts), _ints("--decodes", args.decodes),
+                _ints("--prefills", args.prefills), args.repeats)
+    engine_kwargs = {"kv_cache_bytes": parse_bytes(args.kv_cache_bytes),
+                     "max_num_batched_tokens": args.max_num_batched_tokens, "num_threads": args.num_threads}
+    print(f"calibrating {args.model} on this machine ...", file=sys.stderr)
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    if args.engine_profile:
+        from tokenmill.sim.cost_model import Calibrated
+
+        profile = dict(Calibrated.load(args.engine_profile).profile)
+        profile.pop("serving", None)
+    else:
+        profile = calibrate(args.model, grid, engine_kwargs, log=log)
+    write_profile(profile, args.out)  # the engine fit is kept even if the serving measurement fails
+    if not args.no_serving:
+        from tokenmill.sim.calibrate import measure_serving
+
+        engine_args = ["--kv-cache-bytes", str(engine_kwargs["kv_cache_bytes"]), "--max-num-batched-tokens",
+                       str(args.max_num_batched_tokens)]
+        if args.num_threads:
+            engine_args += ["--num-threads", str(args.num_threads)]
+        profile["serving"] = measure_serving(profile, args.model, engine_args, port=args.port, log=log)
+    profile["command"] = ["tokenmill", *sys.argv[1:]] if sys.argv[1:2] == ["sim"] else ["tokenmill", "sim", "calibrate"]
+    write_profile(profile, args.out)
+    f = profile["fit"]
+    print(f"{f['samples']} steps measured in {f['seconds']:.0f} s; fit median |error| "
+          f"{100 * f['median_abs_rel_error']:.1f}%, p90 {100 * f['p90_abs_rel_error']:.1f}%")
+    print("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in zip(profile["features"], profile["coef"])))
+    if "serving" in profile:
+        sv = profile["serving"]
+        print(f"serving overhead: {1000 * sv['step_s']:.2f} ms per step + {1000 * sv['per_seq_s']:.3f} ms per streamed "
+              f"token; {1000 * sv['request_s']:.1f} ms per request before the engine; prefill x"
+              f"{sv['prefill_scale']:.2f} inside the server")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def build_config(args: argparse.Namespace):
+    import dataclasses
+
+    from tokenmill.bench.config import load_from_args
+    from tokenmill.cli import CLIError
+    from tokenmill.engine.config import parse_bytes
+    from tokenmill.router.config import RouterConfig, load_config
+    from tokenmill.sim.cost_model import RooflineParams
+    from tokenmill.sim.simulation import SimConfig
+
+    missing = [f for f in ("model", "hardware", "out") if getattr(args, f) is None]
+    if missing:
+        raise CLIError(f"give {', '.join('--' + m for m in missing)} (or `tokenmill sim calibrate`)")
+    workloads, load, sweep = load_from_args(args)
+    try:
+        router = load_config(args.router_config) if args.router_config else RouterConfig()
+        changes = {"workers": ()}
+        if args.router:
+            changes["policy"] = args.router
+        if args.admission:
+            changes["admission"] = dataclasses.replace(router.admission, mode=args.admission)
+        router = dataclasses.replace(router, **changes)
+    except (OSError, ValueError) as e:
+        raise CLIError(f"router config: {e}") from None
+    roofline = RooflineParams(dtype=args.dtype, kv_bytes=args.kv_bytes, mfu=args.mfu, mbu=args.mbu,
+                              step_overhead_s=args.step_overhead_ms / 1000, tp=args.tp)
+    try:
+        kv = parse_bytes(args.kv_cache_bytes) if args.kv_cache_bytes else None
+    except ValueError:
+        raise CLIError(f"--kv-cache-bytes {args.kv_cache_bytes!r}: expected bytes such as 4GiB") from None
+    command = ["tokenmill", *sys.argv[1:]] if sys.argv[1:2] == ["sim"] else ["tokenmill", "sim"]
+    return SimConfig(
+        model=args.model, hardware=args.hardware, out=Path(args.out), workers=args.workers, router=router,
+        workloads=workloads, load=load, sweep=sweep, slos=tuple(args.slo or ()), seed=args.seed,
+        plots=not args.no_plots, roofline=roofline, kv_cache_bytes=kv, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+        step_budget=not args.no_step_budget, price_per_hour=args.price_per_hour,
+        record_chunks=not args.no_token_times, command=tuple(command))
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenmill.bench.report import write_report
+    from tokenmill.sim.simulation import run_simulation
+
+    cfg = build_config(args)
+    result, sim = run_simulation(cfg)
+    write_report(result, cfg.out, plots=cfg.plots)
+    path = cfg.out / "result.json"
+    data = json.loads(path.read_text())
+    data["sim"] = sim
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    if result.sweep is not None:
+        print(f"max rate with SLO attainment >= {100 * cfg.sweep.target:.0f}%: {result.sweep.max_rate:.3g} req/s "
+              f"({len(result.runs)} trials)")
+    best = result.best
+    if best is not None:
+        s = best.summary
+        print(f"{best.label}: {s.completed}/{s.requests} completed, {s.rejected} rejected, {s.failed} failed; "
+              f"goodput {s.goodput:.2f} req/s ({s.goodput_output_throughput:.1f} tok/s), "
+              f"attainment {100 * (s.slo_attainment or 0):.1f}%, throughput {s.request_throughput:.2f} req/s")
+        if s.ttft_ms:
+            tpot = f"{s.tpot_ms.p50:.1f}/{s.tpot_ms.p99:.1f}" if s.tpot_ms else "-"
+            print(f"TTFT p50/p99 {s.ttft_ms.p50:.1f}/{s.ttft_ms.p99:.1f} ms, TPOT p50/p99 {tpot} ms")
+        level = sim["levels"][result.runs.index(best)]
+        print(f"simulated {level['simulated_s']:.1f} s in {level['wall_s']:.2f} s wall ({level['events']} events, "
+              f"{level['events_per_s']:.0f} events/s)")
+        if "cost" in level and level["cost"]["per_million_tokens"] is not None:
+            c = level["cost"]
+            print(f"cost: ${c['usd']:.4g} for the run, ${c['per_million_output_tokens']:.4g} per million output "
+                  f"tokens, ${c['per_million_tokens']:.4g} per million tokens (prompt + output)")
+    print(f"wrote {cfg.out}/result.json, {cfg.out}/summary.md")
+    return 0 if any(r.summary.completed for r in result.runs) else 1

@@ -1,0 +1,245 @@
+"""One simulated load level: the bench's planned sessions, the real router (routing policy, admission,
+class queues, learned rates, prefix index) over N simulated workers, all on one virtual clock.
+
+    arrival  -> RequestRecord (the bench's) -> router.decide: admit (dispatch) | hold (class queue) | reject
+    dispatch -> the worker's engine gets the request with the server's priority, TTFT deadline, TPOT SLO and
+                rank (server/admission.py: cheap prompts, <= 256 uncached tokens, rank 0)
+    tokens   -> router.first_token / output_tokens / finish (its rates and calibration learn), the record's
+                first_token_s / chunk_s / end_s; the session's next turn is due after its think time
+
+`SimRouter` is router.Router with a synchronous acquire (the real one awaits an asyncio future while a request
+is held): the decision (`Router.decide`: policy + admission on a snapshot), the hold queue and `Router.pump`
+are the router's own code. Its 20 ms ticker becomes a virtual-clock event while requests are held.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from tokenmill.bench.record import RequestRecord
+from tokenmill.bench.runner import LoadConfig
+from tokenmill.bench.session import Session
+from tokenmill.router.config import RouterConfig
+from tokenmill.router.prompt import PromptKey
+from tokenmill.router.prefix_index import chunk_hashes
+from tokenmill.router.queues import Held
+from tokenmill.router.router import Refused, RequestCtx, Router
+from tokenmill.router.worker_state import WorkerSpec
+from tokenmill.sim.clock import EventLoop
+from tokenmill.sim.cost_model import CostModel
+from tokenmill.sim.worker import SimWorker, WorkerConfig
+
+CHEAP_PREFILL_TOKENS = 256  # server/admission.py ServerAdmissionConfig.cheap_prefill_tokens (default)
+TICK_S = 0.02  # Router._tick's period
+
+
+class SimFuture:
+    """What Router.pump resolves for a held request: calls back instead of waking a coroutine."""
+
+    def __init__(self, callback: Callable):
+        self.callback = callback
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, flight) -> None:
+        self._done = True
+        self.callback(flight, None)
+
+    def set_exception(self, exc: Refused) -> None:
+        self._done = True
+        self.callback(None, exc)
+
+
+class SimRouter(Router):
+    def __init__(self, cfg: RouterConfig, loop: EventLoop):
+        super().__init__(cfg, clock=loop)
+        self.loop = loop
+        self._tick_pending = False
+        self._uuid = itertools.count()
+
+    def new_request(self, key: PromptKey, cls, max_tokens: int) -> RequestCtx:
+        ctx = super().new_request(key, cls, max_tokens)
+        ctx.request_id = f"sim-{next(self._uuid)}"  # deterministic ids (the router's are random)
+        return ctx
+
+    def submit(self, ctx: RequestCtx, callback: Callable) -> None:
+        """Router.acquire without asyncio: callback(flight, None) when dispatched, (None, Refused) when refused."""
+        adm, snap, chunks = self.decide(ctx)
+        if adm.action == "reject":
+            return callback(None, self._refuse(ctx, adm.reason, adm.retry_after_s))
+        if adm.action == "admit":
+            return callback(self._dispatch(ctx, adm, snap, chunks), None)
+        if self.queues.room(ctx.cls) <= 0:
+            return callback(None, self._refuse(ctx, "queue-full", adm.retry_after_s))
+        self.queues[ctx.cls.name].append(Held(ctx, SimFuture(callback), self.clock()))
+        self.pump()
+        self._arm_tick()
+
+    def _arm_tick(self) -> None:
+        if not self._tick_pending and self.queues.any_waiting():
+            self._tick_pending = True
+            self.loop.at(self.loop.now + TICK_S, self._tick_event)
+
+    def _tick_event(self) -> None:
+        self._tick_pending = False
+        if self.queues.any_waiting():
+            self.pump()
+            self._arm_tick()
+
+
+@dataclass
+class _Live:
+    rec: RequestRecord
+    session: Session
+    ctx: RequestCtx
+    flight: object = None
+    worker: SimWorker | None = None
+
+
+@dataclass
+class LevelStats:
+    events: int = 0
+    steps: int = 0
+    busy_s: list[float] = field(default_factory=list)  # per worker
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    sim_end_s: float = 0.0
+
+
+class ClusterSim:
+    def __init__(self, router_cfg: RouterConfig, num_workers: int, worker_cfg: WorkerConfig, cost: CostModel,
+                 record_chunks: bool = True):
+        self.loop = EventLoop()
+        self.router = SimRouter(router_cfg, self.loop)
+        self.classes = self.router.classes
+        self.chunk_tokens = router_cfg.prefix_index.chunk_tokens
+        self.workers: dict[str, SimWorker] = {}
+        for i in range(num_workers):
+            url = f"http://sim-worker-{i}"
+            self.workers[url] = SimWorker(url, worker_cfg, cost, self.loop, self._on_token)
+            self.router.add_worker(WorkerSpec(url, "tokenmill")).healthy = True
+        self.record_chunks = record_chunks
+        self.records: list[RequestRecord] = []
+        self._live: dict[str, _Live] = {}
+        self._deadline: float | None = None
+        self._next_session: Iterator | None = None
+
+    # -- load -----------------------------------------------------------------------------------
+    def run(self, plan: Iterator[tuple[float, Session]], load: LoadConfig) -> tuple[list[RequestRecord], LevelStats]:
+        self._deadline = load.duration_s
+        if load.mode == "concurrency":
+            self._next_session = iter(plan)
+            for _ in range(load.concurrency):
+                self._start_next_session()
+            self.loop.run()
+        else:
+            plan = iter(plan)
+            self._feed(plan)  # arrivals are scheduled lazily, one ahead: a trace of millions is never all in memory
+            self.loop.run()
+        stats = LevelStats(self.loop.events, sum(w.steps for w in self.workers.values()),
+                           [w.busy_s for w in self.workers.values()],
+                           sum(w.prompt_tokens for w in self.workers.values()),
+                           sum(w.output_tokens for w in self.workers.values()), self.loop.now)
+        return self.records, stats
+
+    def _feed(self, plan: Iterator) -> None:
+        item = next(plan, None)
+        if item is None:
+            return
+        start_s, session = item
+        self.loop.at(start_s, self._start_planned, session, start_s, plan)
+
+    def _start_planned(self, session: Session, start_s: float, plan: Iterator) -> None:
+        self._feed(plan)
+        self._send(session, 0, start_s)
+
+    def _start_next_session(self) -> None:
+        if self._deadline is not None and self.loop.now >= self._deadline:
+            return
+        item = next(self._next_session, None)
+        if item is not None:
+            self._send(item[1], 0, self.loop.now)
+
+    def _session_over(self, session: Session) -> None:
+        if self._next_session is not None:
+            self._start_next_session()
+
+    # -- one request ----------------------------------------------------------------------------
+    def _send(self, session: Session, k: int, due: float) -> None:
+        if self._deadline is not None and due >= self._deadline:
+            return self._session_over(session)
+        turn = session.turns[k]
+        ids = turn.flat_tokens().tolist()
+        rec = RequestRecord(f"{session.index}-{k}", session.class_name, session.index, k, turn.prompt_tokens,
+                            turn.max_tokens, due, sent_s=self.loop.now, digest=turn.digest())
+        self.records.append(rec)
+        cls = self.classes.get(session.class_name)
+        if cls is None:  # the router answers 400 for a class it does not know
+            rec.status, rec.http_status, rec.end_s = "failed", 400, self.loop.now
+            rec.error = f"HTTP 400: unknown workload class {session.class_name!r}"
+            return self._session_over(session)
+        key = PromptKey(chunk_hashes(ids, self.chunk_tokens), True, len(ids), self.chunk_tokens)
+        ctx = self.router.new_request(key, cls, turn.max_tokens)
+        live = _Live(rec, session, ctx)
+        self.router.submit(ctx, lambda flight, refused: self._dispatched(live, ids, flight, refused))
+
+    def _dispatched(self, live: _Live, ids: list[int], flight, refused: Refused | None) -> None:
+        rec, now = live.rec, self.loop.now
+        if refused is not None:
+            rec.status, rec.http_status, rec.end_s = "rejected", refused.status, now
+            rec.error = f"HTTP {refused.status}: {refused}"
+            return self._session_over(live.session)
+        w = self.workers[flight.worker]
+        live.flight, live.worker = flight, w
+        cls = live.ctx.cls
+        hit = min(w.cached_prefix_tokens(ids), len(ids) - 1)
+        rank = 0 if 0 < len(ids) - hit <= CHEAP_PREFILL_TOKENS else 1
+        rid = live.ctx.request_id
+        self._live[rid] = live
+        delay = w.cost.request_overhead_s
+        if delay > 0:  # HTTP, parsing, the server's admission: the request reaches the engine later
+            self.loop.at(now + delay, self._enter, live, w, ids, rank)
+        else:
+            self._enter(live, w, ids, rank)
+
+    def _enter(self, live: _Live, w: SimWorker, ids: list[int], rank: int) -> None:
+        rec, now, cls, rid, flight = live.rec, self.loop.now, live.ctx.cls, live.ctx.request_id, live.flight
+        err = w.add(rid, ids, rec.max_tokens, priority=cls.priority, ttft_deadline=live.ctx.arrival_s + cls.ttft_slo_s,
+                    tpot_slo_s=cls.tpot_slo_s, rank=rank)
+        if err is not None:
+            del self._live[rid]
+            status = 400 if err.startswith("invalid") else 503
+            rec.status, rec.http_status, rec.end_s = ("failed" if status == 400 else "rejected"), status, now
+            rec.error = f"HTTP {status}: {err}"
+            self.router.finish(live.ctx, flight, 0, None)
+            self._session_over(live.session)
+
+    def _on_token(self, w: SimWorker, req, first: bool, finished: bool) -> None:
+        live = self._live.get(req.request_id)
+        if live is None:
+            return
+        now, rec = self.loop.now, live.rec
+        if self.record_chunks:
+            rec.chunk_s.append(now)
+        if first:
+            rec.first_token_s = now
+            self.router.first_token(live.ctx, live.flight)
+        else:
+            self.router.output_tokens(live.flight, 1)
+        if not finished:
+            return
+        del self._live[req.request_id]
+        n = len(req.output_token_ids)
+        rec.end_s, rec.output_tokens, rec.output_tokens_from_usage = now, n, True
+        rec.usage_prompt_tokens, rec.cached_tokens = req.num_prompt_tokens, max(req.num_cached_tokens, 0)
+        usage = {"prompt_tokens": req.num_prompt_tokens, "prompt_tokens_details": {"cached_tokens": rec.cached_tokens}}
+        self.router.finish(live.ctx, live.flight, n, usage)
+        session, k = live.session, live.rec.turn + 1
+        if k < len(session.turns):
+            self.loop.at(now + session.turns[k].think_s, self._send, session, k, now + session.turns[k].think_s)
+        else:
+            self._session_over(session)

@@ -1,0 +1,205 @@
+"""Cost models: the seconds one engine step takes, from the step's shape (what the real scheduler put in it).
+
+    StepShape.of(SchedulerOutput)   per step: new tokens, prefill tokens, decodes, (query, context) pairs,
+                                    context read by decodes, logits rows
+
+Roofline (a model shape on a catalog GPU, `tp` GPUs per worker):
+
+    flops   = 2 x (active params - lm_head) x tokens + 2 x vocab x hidden x logits + attn_flops_per_pair x pairs
+    bytes   = weights read (MoE: the experts the step's tokens route to) x weight bytes
+              + KV bytes per token x (context read + new tokens written)
+    step_s  = max(flops / (tp x peak x mfu), bytes / (tp x hbm_bw x mbu))
+              + step_overhead_s + layers x layer_overhead_s
+              + (tp > 1) 2 x layers x (2 (tp-1)/tp x tokens x hidden x 2 B / link_bw + link_latency_s)
+
+Calibrated (this machine, `tokenmill sim calibrate`): step_s = c · features, the coefficients fitted by
+non-negative least squares to the real engine's measured steps (calibrate.py), plus the serving overhead
+measured through a real `tokenmill serve` (what the engine thread loses to the HTTP side per step and per
+streamed token, and the per-request delay before a request reaches the engine):
+
+    step_s += serving.step_s + serving.per_seq_s x logits;   request_overhead_s = serving.request_s
+    (prefill-token and attention coefficients x serving.prefill_scale)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tokenmill.cli import CLIError
+from tokenmill.sim.hardware import Hardware
+from tokenmill.sim.models import ModelShape
+
+FEATURES = ("one", "prefill_tokens", "decode_seqs", "attn_pairs", "decode_ctx", "logits")
+PROFILE_KIND = "tokenmill-sim-calibration"
+
+
+@dataclass(frozen=True)
+class StepShape:
+    tokens: int = 0  # new tokens, all sequences
+    prefill_tokens: int = 0  # new tokens of sequences with more than one (prefill chunks)
+    decode_seqs: int = 0  # sequences with one new token
+    attn_pairs: float = 0.0  # (query, context) pairs attended: sum of n x (start + (n + 1) / 2)
+    decode_ctx: int = 0  # context tokens the decodes read
+    prefill_ctx: int = 0  # context before the chunk that prefill chunks read
+    logits: int = 0  # rows sent through the LM head
+
+    @staticmethod
+    def of(sched) -> "StepShape":
+        tokens = prefill = decodes = dctx = pctx = logits = 0
+        pairs = 0.0
+        for s in sched.seqs:
+            n, start = len(s.token_ids), s.start_pos
+            tokens += n
+            logits += s.num_logits
+            pairs += n * (start + (n + 1) / 2)
+            if n == 1:
+                decodes += 1
+                dctx += start + 1
+            else:
+                prefill += n
+                pctx += start
+        return StepShape(tokens, prefill, decodes, pairs, dctx, pctx, logits)
+
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.prefill_tokens, self.decode_seqs, self.attn_pairs, self.decode_ctx, self.logits])
+
+
+class CostModel:
+    name = "abstract"
+    request_overhead_s = 0.0  # from a request's arrival at the worker to its entering the engine (HTTP, tokenize)
+
+    def step_s(self, shape: StepShape) -> float:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class RooflineParams:
+    dtype: str = "bf16"  # weights and math: bf16 | fp8 | fp4
+    kv_bytes: float = 2.0  # per cached value (bf16 2, fp8 1)
+    mfu: float = 0.5  # share of peak tensor FLOPs a step gets
+    mbu: float = 0.8  # share of peak HBM bandwidth
+    step_overhead_s: float = 0.002  # scheduler, launch and sampling per step
+    layer_overhead_s: float = 10e-6  # kernel launches per layer
+    tp: int = 1  # GPUs per worker (tensor parallel)
+
+    def __post_init__(self):
+        if self.dtype not in ("bf16", "fp8", "fp4"):
+            raise CLIError(f"--dtype {self.dtype!r}: choose bf16, fp8 or fp4")
+        if not (0 < self.mfu <= 1 and 0 < self.mbu <= 1):
+            raise CLIError("--mfu and --mbu must be in (0, 1]")
+        if self.tp < 1 or self.step_overhead_s < 0 or self.layer_overhead_s < 0 or self.kv_bytes <= 0:
+            raise CLIError("--tp must be >= 1, overheads >= 0, kv bytes > 0")
+
+    @property
+    def weight_bytes(self) -> float:
+        return {"bf16": 2.0, "fp8": 1.0, "fp4": 0.5}[self.dtype]
+
+
+class Roofline(CostModel):
+    name = "roofline"
+
+    def __init__(self, model: ModelShape, hw: Hardware, p: RooflineParams = RooflineParams()):
+        self.model, self.hw, self.p = model, hw, p
+        self._flops = hw.peak_flops(p.dtype) * p.mfu * p.tp
+        self._bw = hw.hbm_bw * p.mbu * p.tp
+        self._linear = 2.0 * (model.params_active() - model.vocab * model.hidden)
+        self._head = 2.0 * model.vocab * model.hidden
+        self._pair = model.attn_flops_per_pair()
+        self._kv = model.kv_bytes_per_token(p.kv_bytes)
+        self._fixed = p.step_overhead_s + model.layers * p.layer_overhead_s
+        self._weights_dense = None if model.moe else model.weight_params_read(1) * p.weight_bytes
+
+    def step_s(self, s: StepShape) -> float:
+        m, p = self.model, self.p
+        flops = self._linear * s.tokens + self._head * s.logits + self._pair * s.attn_pairs
+        weights = self._weights_dense if self._weights_dense is not None else m.weight_params_read(s.tokens) * p.weight_bytes
+        kv = self._kv * (s.decode_ctx + s.prefill_ctx + s.tokens)
+        t = max(flops / self._flops, (weights + kv) / self._bw) + self._fixed
+        if p.tp > 1:
+            per = 2 * (p.tp - 1) / p.tp * s.tokens * m.hidden * 2.0 / self.hw.link_bw + self.hw.link_latency_s
+            t += 2 * m.layers * per
+        return t
+
+    def kv_capacity_tokens(self, mem_fraction: float = 0.9) -> int:
+        """KV tokens a worker holds: mem_fraction of its HBM after the weights."""
+        free = self.hw.hbm_bytes * self.p.tp * mem_fraction - self.model.params_total() * self.p.weight_bytes
+        if free <= 0:
+            raise CLIError(f"{self.model.name} ({self.model.params_total() / 1e9:.0f}B params in {self.p.dtype}) does "
+                           f"not fit {self.p.tp} x {self.hw.name}: raise --tp or lower --dtype")
+        return int(free // self._kv)
+
+    def describe(self) -> dict:
+        return {"kind": "roofline", "model": self.model.describe(), "hardware": asdict(self.hw),
+                "params": asdict(self.p)}
+
+
+@dataclass
+class Calibrated(CostModel):
+    """step_s = coef · StepShape.features(), from a `tokenmill sim calibrate` profile."""
+
+    coef: list[float]
+    profile: dict = field(default_factory=dict)
+    name: str = "calibrated"
+
+    def __post_init__(self):
+        if len(self.coef) != len(FEATURES) or any(c < 0 for c in self.coef):
+            raise CLIError(f"calibration profile: coef must be {len(FEATURES)} non-negative numbers ({FEATURES})")
+        self._c = np.asarray(self.coef, dtype=np.float64)
+        c = self._c_list = [float(c) for c in self.coef]
+        serving = self.profile.get("serving") or {}
+        scale = float(serving.get("prefill_scale", 1.0))  # a prefill runs this much slower inside the server
+        c[1] *= scale
+        c[3] *= scale
+        c[0] += float(serving.get("step_s", 0.0))
+        c[5] += float(serving.get("per_seq_s", 0.0))
+        self.request_overhead_s = float(serving.get("request_s", 0.0))
+
+    def engine_step_s(self, s: StepShape) -> float:
+        """The engine alone (no serving overhead): the in-process fit."""
+        return float(self._c @ s.features())
+
+    def step_s(self, s: StepShape) -> float:
+        c = self._c_list
+        return (c[0] + c[1] * s.prefill_tokens + c[2] * s.decode_seqs + c[3] * s.attn_pairs + c[4] * s.decode_ctx
+                + c[5] * s.logits)
+
+    def describe(self) -> dict:
+        return {"kind": "calibrated", "features": list(FEATURES), "coef": [float(v) for v in self._c],
+                **{k: v for k, v in self.profile.items() if k not in ("coef", "features", "samples")}}
+
+    @staticmethod
+    def load(path: str | Path) -> "Calibrated":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CLIError(f"--hardware {path}: cannot read the calibration profile ({e})") from None
+        if not isinstance(data, dict) or data.get("kind") != PROFILE_KIND:
+            raise CLIError(f"--hardware {path}: not a calibration profile (kind {PROFILE_KIND!r}); "
+                           "make one with `tokenmill sim calibrate`")
+        if data.get("features") != list(FEATURES):
+            raise CLIError(f"--hardware {path}: features {data.get('features')} differ from {list(FEATURES)}; "
+                           "calibrate again")
+        return Calibrated(list(data["coef"]), data)
+
+
+def nnls(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """Non-negative least squares (active set: drop the most negative coefficient and refit)."""
+    if weights is not None:
+        x, y = x * weights[:, None], y * weights
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[active] = sol
+            return coef
+        active.pop(int(np.argmin(sol)))
+    return coef

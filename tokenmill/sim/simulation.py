@@ -1,0 +1,197 @@
+"""`tokenmill sim`: plan the bench's workload, run one load level or a sweep on simulated workers, and
+write the bench's result.json / summary.md / plots (bench/report.py), plus a `sim` section (cost model,
+cluster, events per second, cost per million tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tokenmill.bench.benchmark import plan_digest
+from tokenmill.bench.metrics import run_duration, summarize, summarize_by_class
+from tokenmill.bench.report import BenchResult, RunResult
+from tokenmill.bench.runner import LoadConfig, schedule
+from tokenmill.bench.slo import SLO, resolve_slos
+from tokenmill.bench.sweep import SweepConfig, SweepPoint, find_max_rate
+from tokenmill.bench.tokenizer import approximate_vocab, find_tokenizer, load_vocab
+from tokenmill.bench.workloads import make_workload
+from tokenmill.bench.workloads.mix import Mix
+from tokenmill.cli import CLIError
+from tokenmill.router.config import RouterConfig
+from tokenmill.sim.cluster import ClusterSim, LevelStats
+from tokenmill.sim.cost_model import Calibrated, CostModel, Roofline, RooflineParams
+from tokenmill.sim.hardware import get_hardware
+from tokenmill.sim.models import CATALOG as MODEL_CATALOG
+from tokenmill.sim.models import ModelShape, get_model
+from tokenmill.sim.worker import WorkerConfig
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    model: str
+    hardware: str  # a calibration profile (JSON) or a catalog GPU
+    out: Path
+    workers: int = 1
+    router: RouterConfig = field(default_factory=RouterConfig)
+    workloads: tuple[str, ...] = ("chat",)
+    load: LoadConfig = field(default_factory=lambda: LoadConfig("rate", rate=1.0, num_requests=100))
+    sweep: SweepConfig | None = None
+    slos: tuple[str, ...] = ()
+    seed: int = 0
+    plots: bool = True
+    roofline: RooflineParams = field(default_factory=RooflineParams)
+    kv_cache_bytes: int | None = None  # per worker; default: calibrated -> the profile's engine, roofline -> HBM left
+    block_size: int = 16
+    max_num_batched_tokens: int | None = None  # default: the profile's engine (calibrated), else 8192
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    step_budget: bool = True
+    price_per_hour: float | None = None  # per GPU
+    record_chunks: bool = True  # every token's time (ITL); off for very large runs
+    command: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.workers < 1:
+            raise CLIError("--workers must be >= 1")
+        if self.price_per_hour is not None and not self.price_per_hour >= 0:
+            raise CLIError("--price-per-hour must be >= 0")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+            raise CLIError("--kv-cache-bytes must be > 0")
+
+
+@dataclass
+class Built:
+    cost: CostModel
+    shape: ModelShape
+    worker: WorkerConfig
+    gpus_per_worker: int
+    hardware_name: str
+
+
+def is_profile(hardware: str) -> bool:
+    return hardware.endswith(".json") or Path(hardware).is_file()
+
+
+def build(cfg: SimConfig) -> Built:
+    shape = get_model(cfg.model)
+    if is_profile(cfg.hardware):
+        cost = Calibrated.load(cfg.hardware)
+        eng = cost.profile.get("engine", {})
+        prof_model = cost.profile.get("model")
+        if prof_model and prof_model != cfg.model:
+            raise CLIError(f"--hardware {cfg.hardware} was calibrated on model {prof_model!r}, not {cfg.model!r}")
+        kv_bytes = cfg.kv_cache_bytes or int(eng.get("kv_cache_bytes", 1 << 30))
+        bytes_per_value = float(eng.get("kv_bytes_per_value", 2.0))
+        capacity = int(kv_bytes // (shape.kv_bytes_per_token(bytes_per_value) * cfg.block_size)) * cfg.block_size
+        max_batched = cfg.max_num_batched_tokens or int(eng.get("max_num_batched_tokens", 2048))
+        gpus, hw_name = 1, f"calibrated: {cost.profile.get('isa', 'this machine')}"
+    else:
+        hw = get_hardware(cfg.hardware)
+        cost = Roofline(shape, hw, cfg.roofline)
+        capacity = (int(cfg.kv_cache_bytes // shape.kv_bytes_per_token(cfg.roofline.kv_bytes)) if cfg.kv_cache_bytes
+                    else cost.kv_capacity_tokens())
+        max_batched = cfg.max_num_batched_tokens or 8192
+        gpus, hw_name = cfg.roofline.tp, hw.name
+    blocks = capacity // cfg.block_size
+    if blocks < 1:
+        raise CLIError(f"the KV cache of a worker holds no block of {cfg.block_size} tokens")
+    max_len = min(cfg.max_model_len or shape.max_position, blocks * cfg.block_size)
+    worker = WorkerConfig(num_blocks=blocks, block_size=cfg.block_size, max_num_batched_tokens=max_batched,
+                          max_num_seqs=cfg.max_num_seqs, max_model_len=max_len,
+                          enable_prefix_caching=cfg.enable_prefix_caching, step_budget=cfg.step_budget)
+    return Built(cost, shape, worker, gpus, hw_name)
+
+
+def _vocab(cfg: SimConfig):
+    if cfg.model.lower() in MODEL_CATALOG:
+        return approximate_vocab()  # token ids only need to be equal where prompts share text
+    try:
+        from tokenmill.model.loader import resolve_model_path
+
+        path = resolve_model_path(cfg.model)
+    except Exception:  # noqa: BLE001 - a config.json path: no tokenizer
+        return approximate_vocab()
+    return load_vocab(find_tokenizer(None, str(path)), cfg.seed)
+
+
+def run_simulation(cfg: SimConfig) -> tuple[BenchResult, dict]:
+    built = build(cfg)
+    vocab = _vocab(cfg)
+    workload = make_workload(cfg.workloads[0], vocab, cfg.seed) if len(cfg.workloads) == 1 else \
+        Mix.of_specs(list(cfg.workloads), vocab, cfg.seed)
+    slos = resolve_slos(list(cfg.slos), workload.classes)
+    router_cfg = _router_with_slos(cfg.router, slos, cfg.slos)
+    result = BenchResult(
+        command=list(cfg.command), seed=cfg.seed, slos=slos, runs=[], tokenizer=vocab.describe(),
+        workload=workload.describe(),
+        target={"url": f"sim://{cfg.workers}x{built.hardware_name}", "model": cfg.model, "endpoint": "completions",
+                "prompt_format": "tokens", "models": [{"id": cfg.model, "max_model_len": built.worker.max_model_len}]})
+    levels: list[dict] = []
+
+    def run_at(load: LoadConfig) -> RunResult:
+        plan = schedule(workload, load, cfg.seed)
+        sim = ClusterSim(router_cfg, cfg.workers, built.worker, built.cost, record_chunks=cfg.record_chunks)
+        t0 = time.perf_counter()
+        records, stats = sim.run(plan, load)
+        wall = time.perf_counter() - t0
+        duration = run_duration(records)
+        run = RunResult(load.label, load, records, summarize(records, slos, duration),
+                        summarize_by_class(records, slos, duration), plan_digest(records, load))
+        result.runs.append(run)
+        levels.append(_level_json(run, stats, wall, cfg, built))
+        return run
+
+    if cfg.sweep is None:
+        run_at(cfg.load)
+    else:
+        async def trial(rate: float) -> SweepPoint:
+            run = run_at(replace(cfg.load, mode="rate", rate=rate))
+            return SweepPoint(rate, run.summary.slo_attainment or 0.0, run.summary.goodput)
+
+        result.sweep = asyncio.run(find_max_rate(trial, cfg.sweep))
+        result.sweep_target = cfg.sweep.target
+    sim_json = {
+        "cost_model": built.cost.describe(), "hardware": built.hardware_name, "workers": cfg.workers,
+        "gpus_per_worker": built.gpus_per_worker, "router": {"policy": router_cfg.policy,
+                                                               "admission": router_cfg.admission.mode},
+        "worker": dataclasses.asdict(built.worker), "price_per_gpu_hour": cfg.price_per_hour, "levels": levels,
+    }
+    return result, sim_json
+
+
+def _router_with_slos(router: RouterConfig, slos: dict[str, SLO], given: tuple[str, ...]) -> RouterConfig:
+    """`--slo` overrides also set the router classes' SLOs (admission aims at what the run measures)."""
+    if not given:
+        return router
+    classes = []
+    for c in router.classes:
+        s = slos.get(c.name)
+        if s is None:
+            classes.append(c)
+            continue
+        classes.append(replace(c, ttft_slo_s=(s.ttft_ms / 1000) if s.ttft_ms else c.ttft_slo_s,
+                               tpot_slo_s=(s.tpot_ms / 1000) if s.tpot_ms else c.tpot_slo_s))
+    return replace(router, classes=tuple(classes))
+
+
+def _level_json(run: RunResult, stats: LevelStats, wall_s: float, cfg: SimConfig, built: Built) -> dict:
+    s = run.summary
+    gpus = cfg.workers * built.gpus_per_worker
+    busy = sum(stats.busy_s) / max(1, len(stats.busy_s)) / stats.sim_end_s if stats.sim_end_s > 0 else 0.0
+    out = {"label": run.label, "events": stats.events, "steps": stats.steps, "wall_s": wall_s,
+           "events_per_s": stats.events / wall_s if wall_s > 0 else None, "simulated_s": stats.sim_end_s,
+           "speedup_vs_real_time": stats.sim_end_s / wall_s if wall_s > 0 else None,
+           "mean_worker_busy": busy, "gpus": gpus, "prompt_tokens": stats.prompt_tokens,
+           "output_tokens": stats.output_tokens}
+    if cfg.price_per_hour is not None and s.duration_s > 0:
+        cost = cfg.price_per_hour * gpus * s.duration_s / 3600.0
+        tokens = s.prompt_tokens + s.output_tokens
+        out["cost"] = {"usd": cost, "per_completed_request": cost / s.completed if s.completed else None,
+                       "per_good_request": cost / s.good if s.good else None,
+                       "per_million_output_tokens": cost / s.output_tokens * 1e6 if s.output_tokens else None,
+                       "per_million_tokens": cost / tokens * 1e6 if tokens else None}
+    return out

@@ -1,0 +1,134 @@
+"""A simulated worker: the real Scheduler and KVCacheManager (prefix cache included) and the server's real
+step-budget model, with the model runner replaced by a cost model.
+
+One step, as the server's engine thread runs it (server/async_engine.py `_step`):
+
+    budget = step_budget.token_budget(decoding, tightest TPOT SLO, max_num_batched_tokens)
+    sched  = scheduler.schedule(now, budget)          # the real scheduler: admission, chunking, preemption
+    step_s = cost_model.step_s(StepShape.of(sched))   # instead of runner.execute(sched)
+    step_budget.observe(decodes, prefill tokens, step_s)
+    at now + step_s: every sequence with a logit gets one output token; a request ends at max_tokens or
+                     max_model_len (LLMEngine._check_stop's length rules; no EOS: the sim has no model)
+
+Requests added while a step runs wait for its end (the engine thread applies commands between steps).
+The seam is the Scheduler, not LLMEngine: LLMEngine's __init__ loads a model and its _postprocess samples
+logits; what the sim replaces is exactly ModelRunner.execute + Sampler (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tokenmill.engine.kv.kv_manager import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.sampling_params import SamplingParams
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
+from tokenmill.engine.step_budget import StepBudget, StepBudgetConfig
+from tokenmill.sim.clock import EventLoop
+from tokenmill.sim.cost_model import CostModel, StepShape
+
+OUTPUT_TOKEN = 1  # every simulated output token (the sim has no model; outputs run to max_tokens)
+
+
+class SimKVCacheManager(KVCacheManager):
+    """The real KV manager; only `block_ids` -- the block table the scheduler copies into each ScheduledSeq for
+    the model runner, O(context) per sequence per step and read by nothing but the runner -- is left empty, as
+    the sim has no runner. Allocation, prefix lookups, registration and eviction are the real ones."""
+
+    def block_ids(self, req: Request) -> list[int]:
+        return []
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_waiting_requests: int = 4096
+    max_model_len: int = 2048
+    enable_prefix_caching: bool = True
+    step_budget: bool = True  # the server's TPOT-sized step budget (engine/step_budget.py)
+
+    def __post_init__(self):
+        if self.num_blocks < 1 or self.block_size < 1 or self.max_model_len < 2:
+            raise ValueError("a simulated worker needs num_blocks >= 1, block_size >= 1, max_model_len >= 2")
+        SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_waiting_requests)
+
+
+class SimWorker:
+    """Calls on_token(worker, request_id, first, finished, request) at the end of each step per output token."""
+
+    def __init__(self, name: str, cfg: WorkerConfig, cost: CostModel, loop: EventLoop, on_token: Callable):
+        self.name, self.cfg, self.cost, self.loop, self.on_token = name, cfg, cost, loop, on_token
+        self.kv = SimKVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                                   cfg.max_waiting_requests), self.kv)
+        self.step_budget = StepBudget(StepBudgetConfig(enabled=cfg.step_budget))
+        self.busy = False
+        self.pending: list[Request] = []  # added during a step: enter the scheduler at its end
+        self.steps = 0
+        self.busy_s = 0.0
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+
+    def cached_prefix_tokens(self, token_ids: list[int], hashes: list[int] | None = None) -> int:
+        return self.kv.cached_prefix_tokens(token_ids, hashes)
+
+    def add(self, request_id: str, token_ids: list[int], max_tokens: int, priority: int = 0,
+            ttft_deadline: float = float("inf"), tpot_slo_s: float | None = None, rank: int = 0) -> str | None:
+        """Queue a request; returns an error ('invalid: ...' or 'overloaded: ...') instead of raising, as the
+        server turns LLMEngine.add_request's errors into HTTP 400 / 503."""
+        n = len(token_ids)
+        if n == 0 or n + max_tokens > self.cfg.max_model_len:
+            return (f"invalid: this model's maximum context length is {self.cfg.max_model_len} tokens; "
+                    f"{n + max_tokens} requested")
+        if self.scheduler.num_waiting + len(self.pending) >= self.cfg.max_waiting_requests:
+            return f"overloaded: waiting queue is full ({self.cfg.max_waiting_requests} requests)"
+        req = Request(request_id, token_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority,
+                      max_total_tokens=self.cfg.max_model_len, ttft_deadline=ttft_deadline, tpot_slo_s=tpot_slo_s,
+                      rank=rank)
+        self.prompt_tokens += n
+        if self.busy:
+            self.pending.append(req)
+        else:
+            self.scheduler.add(req)
+            self._step()
+        return None
+
+    def _step(self) -> None:
+        s = self.scheduler
+        budget = self.step_budget.token_budget(s.num_decoding(), s.tightest_tpot_slo_s(), self.cfg.max_num_batched_tokens)
+        sched = s.schedule(self.loop.now, budget)
+        if sched.empty:
+            self.busy = False
+            return
+        shape = StepShape.of(sched)
+        step_s = self.cost.step_s(shape)
+        self.step_budget.observe(shape.decode_seqs, sched.num_batched_tokens - shape.decode_seqs, step_s)
+        self.busy = True
+        self.steps += 1
+        self.busy_s += step_s
+        self.loop.at(self.loop.now + step_s, self._end_step, sched)
+
+    def _end_step(self, sched) -> None:
+        requests = self.scheduler.requests
+        max_len = self.cfg.max_model_len
+        for seq in sched.seqs:
+            if not seq.num_logits:
+                continue
+            req = requests.get(seq.request_id)
+            if req is None:
+                continue
+            req.append_output(OUTPUT_TOKEN)
+            self.output_tokens += 1
+            n_out = len(req.output_token_ids)
+            finished = n_out >= req.params.max_tokens or req.num_tokens >= max_len
+            if finished:
+                self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+            self.on_token(self, req, n_out == 1, finished)
+        for req in self.pending:
+            self.scheduler.add(req)
+        self.pending.clear()
+        self._step()
