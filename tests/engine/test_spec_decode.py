@@ -296,7 +296,7 @@ def test_policy_hysteresis_keeps_a_near_equal_previous_choice():
         kept = choose_k(_snap(4, 0.7, prev=prev))[0]
         g_prev = _goodput(snap, snap.alphas, [prev] * 4)
         g_best = _goodput(snap, snap.alphas, [best] * 4)
-        assert kept == (prev if g_best <= g_prev * 1.03 else best)
+        assert kept == (prev if g_best <= g_prev * 1.05 else best)
     # per-sequence caps are respected and an exploration tick drafts one token when the plan is all off
     assert choose_k(SpecSnapshot((0.9, 0.9), (0, 2), (None, None), 0, StepCost(1e-3, 1e-4, 1e-5), 1e-5, 1e-6)) \
         [0] == 0

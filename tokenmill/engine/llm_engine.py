@@ -209,7 +209,7 @@ class LLMEngine:
                 self.tiers.store_computed(sched, self.scheduler.requests)  # write-through, before blocks are freed
             except Exception:  # noqa: BLE001
                 log.exception("KV tier store failed")
-        if spec is not None:
+        if spec is not None and any(s.num_spec_slots for s in sched.seqs):
             return self._postprocess_spec(sched, model_out)
         return self._postprocess(sched, model_out)
 

@@ -14,7 +14,6 @@ When speculation is off the engine holds no SpecDecoder and its step is unchange
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -40,7 +39,8 @@ class SpecDecoder:
         self.acceptance = Acceptance()
         # measured costs: the target's step (runner.execute) and the proposer's (steps, tokens)
         self.target_cost = StepBudget()
-        self.draft_cost = StepBudget(StepBudgetConfig(prior_base_s=0.0, prior_decode_s=2e-4, prior_prefill_s=2e-5))
+        # per draft forward: base + per sequence + per catch-up token beyond one
+        self.draft_cost = StepBudget(StepBudgetConfig(prior_base_s=2e-4, prior_decode_s=5e-5, prior_prefill_s=2e-5))
         self.prev_k: dict[str, int] = {}
         self.drafts: dict[str, object] = {}  # request id -> this step's Draft
         self.num_plans = 0
@@ -51,33 +51,34 @@ class SpecDecoder:
         return max(0, min(req.params.max_tokens - len(req.output_token_ids) - 1,
                           self.max_model_len - req.num_tokens))
 
-    def snapshot(self, decoding: list[Request], prefill_tokens: int) -> SpecSnapshot:
+    def snapshot(self, decoding: list[Request], prefill_tokens: int, caps: list[int]) -> SpecSnapshot:
         tb, tp, tt = self.target_cost.coef
-        db, dstep, dtok = self.draft_cost.coef
+        db, dseq, _ = self.draft_cost.coef if self.proposer.has_kv else (0.0, 0.0, 0.0)
         return SpecSnapshot(
             alphas=tuple(self.acceptance.alpha(r.request_id) for r in decoding),
-            caps=tuple(self.cap(r) for r in decoding),
+            caps=tuple(caps),
             prev_k=tuple(self.prev_k.get(r.request_id) for r in decoding),
             prefill_tokens=prefill_tokens, target=StepCost(tb, tp, tt),
-            draft_step_s=db + dstep, draft_token_s=dtok, explore=self.num_plans % EXPLORE_EVERY == EXPLORE_EVERY - 1)
+            draft_step_s=db, draft_token_s=dseq, explore=self.num_plans % EXPLORE_EVERY == EXPLORE_EVERY - 1)
 
     def plan(self, scheduler: Scheduler, token_budget: int | None) -> dict[str, int]:
         decoding = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         if not decoding:
             return {}
         self.num_plans += 1
+        caps = [self.cap(r) for r in decoding]
         if self.auto:
             budget = scheduler.config.max_num_batched_tokens if token_budget is None else token_budget
             prefill = min(max(0, budget - len(decoding)), scheduler.waiting_uncached_prompt_tokens())
-            ks = choose_k(self.snapshot(decoding, prefill), self.policy)
+            ks = choose_k(self.snapshot(decoding, prefill, caps), self.policy)
         else:
-            ks = [min(self.fixed_k, self.cap(r)) for r in decoding]
+            ks = [min(self.fixed_k, c) for c in caps]
         st = self.stats
         plan = {}
-        for r, k in zip(decoding, ks):
+        for i, (r, k) in enumerate(zip(decoding, ks)):
             st.chosen_k[k] = st.chosen_k.get(k, 0) + 1
             prev = self.prev_k.get(r.request_id)
-            if prev is not None and prev != k:
+            if prev is not None and prev != k and not k == caps[i] < prev:  # a cap (the output's end) is no switch
                 st.num_k_switches += 1
             self.prev_k[r.request_id] = k
             if k:
@@ -92,9 +93,10 @@ class SpecDecoder:
             return
         reqs = [requests[s.request_id] for s in seqs]
         ks = [s.num_spec_slots for s in seqs]
-        t0 = time.perf_counter()
         drafts = self.proposer.propose(reqs, ks, seqs, [gens.get(r.request_id) for r in reqs])
-        self.draft_cost.observe(max(ks) if self.proposer.has_kv else 1, sum(ks), time.perf_counter() - t0)
+        for n, extra, sec in self.proposer.timings:  # each draft forward: base + per seq + per extra token
+            self.draft_cost.observe(n, extra, sec)
+        self.proposer.timings.clear()
         for s, d in zip(seqs, drafts):
             self.drafts[s.request_id] = d
             if d.tokens:

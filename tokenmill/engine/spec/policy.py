@@ -26,7 +26,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class SpecPolicyConfig:
     k_max: int = 6
-    hysteresis: float = 0.03  # a new plan must beat the previous one's predicted goodput by this (relative)
+    hysteresis: float = 0.05  # a new plan must beat the previous one's predicted goodput by this (relative)
     max_alpha: float = 0.98  # α is clamped to this (α → 1 makes every k look free)
     iterations: int = 6
 

@@ -37,7 +37,7 @@ class Acceptance:
     `req_decay` per verification) shrunk toward the proposer's (decay `prop_decay`) with `prior_weight`
     pseudo-trials; the proposer's starts at 1/2 (Laplace)."""
 
-    def __init__(self, req_decay: float = 0.8, prop_decay: float = 0.995, prior_weight: float = 3.0):
+    def __init__(self, req_decay: float = 0.95, prop_decay: float = 0.995, prior_weight: float = 3.0):
         self.req_decay, self.prop_decay, self.prior_weight = req_decay, prop_decay, prior_weight
         self.prop = [0.0, 0.0]  # accepted, tried
         self.reqs: dict[str, list[float]] = {}
