@@ -201,17 +201,18 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - fail the batch, not the engine
             log.exception("model execution failed")
             return self._fail_batch(sched, f"engine error: {type(e).__name__}: {e}")
-        if spec is not None:
-            spec.observe_step(sched, exec_s)
         if self.tiers is not None:
             try:
                 self.tiers.observe_step(exec_s, sched)
                 self.tiers.store_computed(sched, self.scheduler.requests)  # write-through, before blocks are freed
             except Exception:  # noqa: BLE001
                 log.exception("KV tier store failed")
-        if spec is not None and any(s.num_spec_slots for s in sched.seqs):
-            return self._postprocess_spec(sched, model_out)
-        return self._postprocess(sched, model_out)
+        if spec is None:
+            return self._postprocess(sched, model_out)
+        outs = (self._postprocess_spec(sched, model_out) if any(s.num_spec_slots for s in sched.seqs)
+                else self._postprocess(sched, model_out))
+        spec.observe_step(sched)  # the step's measured time feeds the auto policy's cost model
+        return outs
 
     def _postprocess_spec(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
         """_postprocess with speculative sequences: each may emit several tokens (spec/decoder.py)."""

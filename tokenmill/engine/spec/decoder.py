@@ -15,6 +15,8 @@ When speculation is off the engine holds no SpecDecoder and its step is unchange
 from __future__ import annotations
 
 
+import time
+
 import torch
 
 from tokenmill.engine.outputs import TokenLogprob
@@ -25,7 +27,7 @@ from tokenmill.engine.spec.stats import Acceptance, SpecStats
 from tokenmill.engine.spec.verify import verify_greedy, verify_sampled
 from tokenmill.engine.step_budget import StepBudget, StepBudgetConfig
 
-EXPLORE_EVERY = 64  # auto: every this many steps an all-off plan drafts one token (keeps α and costs measured)
+EXPLORE_EVERY = 8  # auto: every this many plans k is perturbed by +1 / -1 (alternately): the cost fits need k to vary
 
 
 class SpecDecoder:
@@ -39,8 +41,10 @@ class SpecDecoder:
         self.acceptance = Acceptance()
         # measured costs: the target's step (runner.execute) and the proposer's (steps, tokens)
         self.target_cost = StepBudget()
-        # per draft forward: base + per sequence + per catch-up token beyond one
-        self.draft_cost = StepBudget(StepBudgetConfig(prior_base_s=2e-4, prior_decode_s=5e-5, prior_prefill_s=2e-5))
+        # a proposal round: base + per draft step (max k) + per drafted token
+        self.draft_cost = StepBudget(StepBudgetConfig(prior_base_s=1e-4, prior_decode_s=2e-4, prior_prefill_s=2e-5))
+        self._t_plan = 0.0  # perf_counter at this step's plan()
+        self._propose_s = 0.0
         self.prev_k: dict[str, int] = {}
         self.drafts: dict[str, object] = {}  # request id -> this step's Draft
         self.num_plans = 0
@@ -53,15 +57,16 @@ class SpecDecoder:
 
     def snapshot(self, decoding: list[Request], prefill_tokens: int, caps: list[int]) -> SpecSnapshot:
         tb, tp, tt = self.target_cost.coef
-        db, dseq, _ = self.draft_cost.coef if self.proposer.has_kv else (0.0, 0.0, 0.0)
+        dc, dstep, dtok = self.draft_cost.coef
         return SpecSnapshot(
             alphas=tuple(self.acceptance.alpha(r.request_id) for r in decoding),
             caps=tuple(caps),
             prev_k=tuple(self.prev_k.get(r.request_id) for r in decoding),
             prefill_tokens=prefill_tokens, target=StepCost(tb, tp, tt),
-            draft_step_s=db, draft_token_s=dseq, explore=self.num_plans % EXPLORE_EVERY == EXPLORE_EVERY - 1)
+            draft_step_s=dstep, draft_token_s=dtok, draft_call_s=dc)
 
     def plan(self, scheduler: Scheduler, token_budget: int | None) -> dict[str, int]:
+        self._t_plan, self._propose_s = time.perf_counter(), 0.0
         decoding = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         if not decoding:
             return {}
@@ -75,12 +80,17 @@ class SpecDecoder:
             ks = [min(self.fixed_k, c) for c in caps]
         st = self.stats
         plan = {}
+        explore = 0
+        if self.auto and self.num_plans % EXPLORE_EVERY == 0:
+            explore = 1 if self.num_plans % (2 * EXPLORE_EVERY) == 0 else -1
         for i, (r, k) in enumerate(zip(decoding, ks)):
             st.chosen_k[k] = st.chosen_k.get(k, 0) + 1
             prev = self.prev_k.get(r.request_id)
             if prev is not None and prev != k and not k == caps[i] < prev:  # a cap (the output's end) is no switch
                 st.num_k_switches += 1
             self.prev_k[r.request_id] = k
+            if explore:  # not recorded as the previous k: the plan itself did not change
+                k = min(caps[i], max(0, k + explore))
             if k:
                 plan[r.request_id] = k
         return plan
@@ -93,20 +103,24 @@ class SpecDecoder:
             return
         reqs = [requests[s.request_id] for s in seqs]
         ks = [s.num_spec_slots for s in seqs]
+        t0 = time.perf_counter()
         drafts = self.proposer.propose(reqs, ks, seqs, [gens.get(r.request_id) for r in reqs])
-        for n, extra, sec in self.proposer.timings:  # each draft forward: base + per seq + per extra token
-            self.draft_cost.observe(n, extra, sec)
-        self.proposer.timings.clear()
+        self._propose_s = time.perf_counter() - t0
+        self.draft_cost.observe(max(ks), sum(ks), self._propose_s)
         for s, d in zip(seqs, drafts):
             self.drafts[s.request_id] = d
             if d.tokens:
                 s.token_ids = s.token_ids + d.tokens
                 s.num_logits = 1 + len(d.tokens)
 
-    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
-        n = sum(1 for s in sched.seqs if s.num_logits and len(s.token_ids) == s.num_logits)  # decodes, verifies
+    def observe_step(self, sched: SchedulerOutput) -> None:
+        """After postprocess: the step's time from plan() on, less the proposal, fitted as base + per decoding
+        sequence + per other token. Steps with prefill chunks are left out (their tokens cost differently)."""
+        if any(len(s.token_ids) != s.num_logits for s in sched.seqs):
+            return
+        n = len(sched.seqs)
         tokens = sum(len(s.token_ids) for s in sched.seqs)
-        self.target_cost.observe(n, tokens - n, seconds)
+        self.target_cost.observe(n, tokens - n, time.perf_counter() - self._t_plan - self._propose_s)
 
     # -- verify ----------------------------------------------------------------------------------
     def verify(self, req: Request, logits: torch.Tensor, gen, default_gen) -> tuple[list[int], int]:

@@ -6,7 +6,7 @@ With per-sequence acceptance rate α_i (the chance a drafted token is kept, meas
 yield E(α, k) = (1 − α^(k+1)) / (1 − α) tokens in expectation (the kept drafts plus the target's own token).
 The step costs, from the engine's online fits of its own measured step times,
 
-    T(k) = base + s · n + t · (Σk_i + prefill tokens)  +  d_step · max_i k_i + d_tok · Σk_i
+    T(k) = base + s · n + t · (Σk_i + prefill tokens)  +  d_call · [any k > 0] + d_step · max_i k_i + d_tok · Σk_i
 
 and the policy maximizes G(k) = Σ_i E(α_i, k_i) / T(k), a ratio: Dinkelbach's iteration solves it exactly
 for a given cap K = max k_i (λ ← G(k); k_i ← argmax E(α_i, k) − λ·c·k, which is the largest k with
@@ -56,7 +56,7 @@ class SpecSnapshot:
     target: StepCost
     draft_step_s: float  # cost of one draft step (a batched draft forward), paid max(k) times
     draft_token_s: float  # cost per drafted token
-    explore: bool = False  # the caller's exploration tick: an all-zero plan becomes k = 1 (keeps α and costs measured)
+    draft_call_s: float = 0.0  # fixed cost of a proposal round (paid once when any k > 0)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -71,7 +71,7 @@ def _goodput(snap: SpecSnapshot, alphas, ks) -> float:
     sk = sum(ks)
     t = snap.target
     cost = (t.base + t.per_seq * n + t.per_token * (sk + snap.prefill_tokens)
-            + snap.draft_step_s * max(ks, default=0) + snap.draft_token_s * sk)
+            + snap.draft_step_s * max(ks, default=0) + snap.draft_token_s * sk + (snap.draft_call_s if sk else 0.0))
     return sum(expected_tokens(a, k) for a, k in zip(alphas, ks)) / max(cost, 1e-9)
 
 
@@ -108,8 +108,6 @@ def choose_k(snap: SpecSnapshot, cfg: SpecPolicyConfig = SpecPolicyConfig()) -> 
         if round_g <= best_g * (1 + 1e-9):
             break
         best_ks, best_g, lam = round_best, round_g, round_g
-    if snap.explore and not any(best_ks):
-        return tuple(min(1, cap) for cap in caps)
     if any(p is not None for p in snap.prev_k):
         keep = [min(p, cap) if p is not None else k for p, cap, k in zip(snap.prev_k, caps, best_ks)]
         if keep != best_ks and best_g <= _goodput(snap, alphas, keep) * (1 + cfg.hysteresis):

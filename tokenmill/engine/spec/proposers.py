@@ -9,7 +9,6 @@ drawn from (rejection sampling needs it; None means the proposal was determinist
 
 from __future__ import annotations
 
-import time
 from array import array
 from dataclasses import dataclass
 
@@ -33,7 +32,6 @@ class NgramProposer:
 
     name = "ngram"
     has_kv = False
-    timings: list = []  # nothing worth timing: a lookup costs microseconds
 
     def __init__(self, min_n: int, max_n: int):
         if not 1 <= min_n <= max_n:
@@ -87,7 +85,6 @@ class DraftModelProposer:
         self.runner = runner
         self.vocab_size = vocab_size
         self.computed: dict[str, tuple[int, int]] = {}  # rid -> (num_preemptions when computed, draft KV tokens)
-        self.timings: list[tuple[int, int, float]] = []  # per draft forward: (seqs, tokens beyond one per seq, s)
         self.default_gen = torch.Generator().manual_seed(0)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], gens) -> tuple[list[int], list[torch.Tensor | None]]:
@@ -119,15 +116,12 @@ class DraftModelProposer:
         batch = first
         step = 0
         while active:
-            t0 = time.perf_counter()
             out = self.runner.execute(SchedulerOutput(batch, sum(len(b.token_ids) for b in batch)))
             logits = out.logits
             if any(b.num_logits > 1 for b in batch):
                 rows = [off + b.num_logits - 1 for off, b in zip(out.logit_offsets, batch)]
                 logits = logits.index_select(0, torch.tensor(rows))
             toks, qs = self._sample(logits, [reqs[i] for i in active], [gens[i] for i in active])
-            self.timings.append((len(batch), sum(len(b.token_ids) for b in batch) - len(batch),
-                                 time.perf_counter() - t0))
             for j, i in enumerate(active):
                 tokens[i].append(toks[j])
                 if qs[j] is not None:
