@@ -89,8 +89,8 @@ class SpecDecoder:
             if prev is not None and prev != k and not k == caps[i] < prev:  # a cap (the output's end) is no switch
                 st.num_k_switches += 1
             self.prev_k[r.request_id] = k
-            if explore:  # not recorded as the previous k: the plan itself did not change
-                k = min(caps[i], max(0, k + explore))
+            if explore and (k or not self.proposer.has_kv):  # not recorded as the previous k: the plan is unchanged
+                k = min(caps[i], max(0, k + explore))  # (a draft model is not woken from 0: that costs a catch-up)
             if k:
                 plan[r.request_id] = k
         return plan
@@ -106,7 +106,8 @@ class SpecDecoder:
         t0 = time.perf_counter()
         drafts = self.proposer.propose(reqs, ks, seqs, [gens.get(r.request_id) for r in reqs])
         self._propose_s = time.perf_counter() - t0
-        self.draft_cost.observe(max(ks), sum(ks), self._propose_s)
+        if self.proposer.last_catchup <= 2:  # steady state; a long catch-up (first proposal, resuming) is a prefill
+            self.draft_cost.observe(max(ks), sum(ks), self._propose_s)
         for s, d in zip(seqs, drafts):
             self.drafts[s.request_id] = d
             if d.tokens:

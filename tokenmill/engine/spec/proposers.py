@@ -32,6 +32,7 @@ class NgramProposer:
 
     name = "ngram"
     has_kv = False
+    last_catchup = 0
 
     def __init__(self, min_n: int, max_n: int):
         if not 1 <= min_n <= max_n:
@@ -80,6 +81,7 @@ class DraftModelProposer:
 
     name = "draft"
     has_kv = True
+    last_catchup = 0  # the last proposal's longest catch-up (tokens the draft had not seen)
 
     def __init__(self, runner, vocab_size: int):
         self.runner = runner
@@ -103,12 +105,14 @@ class DraftModelProposer:
         tokens: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         first = []
+        self.last_catchup = 0
         for r, s in zip(reqs, seqs):
             pre, n = self.computed.get(r.request_id, (r.num_preemptions, 0))
             if pre != r.num_preemptions:
                 n = 0
             n = min(n, r.num_tokens - 1)
             toks = r.all_token_ids[n:]
+            self.last_catchup = max(self.last_catchup, len(toks))
             # a short catch-up (1-2 tokens after a verification) takes the runner's decode-kernel path: logits
             # for each of its tokens (the last one is used); a long one (the first proposal) is a prefill
             first.append(ScheduledSeq(r.request_id, toks, n, s.block_ids, len(toks) if len(toks) <= 16 else 1))
