@@ -48,6 +48,7 @@ class ScheduledSeq:
     block_ids: list[int]
     num_logits: int
     num_spec_slots: int = 0  # speculative decoding: KV slots reserved after token_ids for drafts the engine appends
+    # (> 0: the runner attends each of the seq's tokens as a decode query, the decode kernel's path)
 
 
 @dataclass

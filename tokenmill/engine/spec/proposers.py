@@ -115,7 +115,9 @@ class DraftModelProposer:
             self.last_catchup = max(self.last_catchup, len(toks))
             # a short catch-up (1-2 tokens after a verification) takes the runner's decode-kernel path: logits
             # for each of its tokens (the last one is used); a long one (the first proposal) is a prefill
-            first.append(ScheduledSeq(r.request_id, toks, n, s.block_ids, len(toks) if len(toks) <= 16 else 1))
+            short = len(toks) <= 16
+            first.append(ScheduledSeq(r.request_id, toks, n, s.block_ids, len(toks) if short else 1,
+                                      num_spec_slots=len(toks) - 1 if short else 0))
         active = list(range(len(reqs)))
         batch = first
         step = 0
