@@ -31,6 +31,15 @@ def add_engine_args(p, default_model: str = "demo") -> None:
     p.add_argument("--kv-host-dir", default=None, help="host tier directory (default /dev/shm/tokenmill-kv)")
     p.add_argument("--kv-disk-dir", default=None, help="disk KV tier directory (needs --kv-disk-bytes)")
     p.add_argument("--kv-disk-bytes", default="0", help="disk KV tier capacity, e.g. 100GiB")
+    p.add_argument("--speculative-model", default=None,
+                   help="speculative decoding proposer: demo-draft | a draft model directory (same tokenizer) | "
+                        "ngram (prompt lookup); needs --num-speculative-tokens (default: off)")
+    p.add_argument("--num-speculative-tokens", default=None,
+                   help="K (drafts per step, 1..16) or auto (k per sequence per step from measured acceptance and "
+                        "step cost, 0 = off)")
+    p.add_argument("--speculative-max-k", type=int, default=6, help="auto: the largest k (default: %(default)s)")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix matched")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix matched")
     p.add_argument("--kv-disk-fsync", action="store_true",
                    help="fsync every disk tier entry before renaming it into place (default: no fsync; "
                         "checksums turn entries lost to a power failure into misses)")
@@ -59,7 +68,10 @@ def engine_config_from_args(args):
                         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching,
-                        max_waiting_requests=args.max_waiting_requests, num_threads=args.num_threads, **tiers)
+                        max_waiting_requests=args.max_waiting_requests, num_threads=args.num_threads, **tiers,
+                        speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
+                        speculative_max_k=args.speculative_max_k, prompt_lookup_min=args.prompt_lookup_min,
+                        prompt_lookup_max=args.prompt_lookup_max)
 
 
 def add_parser(sub) -> None:

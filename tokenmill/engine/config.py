@@ -45,11 +45,20 @@ class EngineConfig:
     kv_disk_bytes: int = 0  # disk tier capacity
     kv_disk_fsync: bool = False  # fsync each disk entry before its rename (durability across power loss)
     kv_load_timeout_s: float = 1.0  # a tier load running longer is abandoned: the request recomputes
+    # Speculative decoding (None: off). speculative_model: demo-draft | an HF directory (a draft model) | ngram
+    # (prompt lookup); num_speculative_tokens: K (a fixed k per step) | "auto" (k per sequence per step, 0..
+    # speculative_max_k, chosen from measured acceptance and step cost: engine/spec/policy.py).
+    speculative_model: str | None = None
+    num_speculative_tokens: int | str | None = None
+    speculative_max_k: int = 6  # auto's largest k
+    prompt_lookup_min: int = 2  # ngram: shortest suffix matched
+    prompt_lookup_max: int = 4  # ngram: longest suffix matched (tried first)
 
     def __post_init__(self):
         self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes)
         self.kv_host_bytes = parse_bytes(self.kv_host_bytes or 0)
         self.kv_disk_bytes = parse_bytes(self.kv_disk_bytes or 0)
+        self.num_speculative_tokens = _parse_num_spec(self.num_speculative_tokens)
         checks = [
             (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size must be a power of two <= 256"),
             (self.kv_cache_bytes > 0, "kv_cache_bytes must be > 0"),
@@ -70,10 +79,24 @@ class EngineConfig:
              and self.kv_load_timeout_s != float("inf"), "kv_load_timeout_s (--kv-load-timeout) must be a finite number > 0"),
             (self.enable_prefix_caching or not (self.kv_host_bytes or self.kv_disk_dir),
              "KV tiers (kv_host_bytes / kv_disk_dir) need prefix caching (blocks are found by their hash)"),
+            (self.speculative_model is None or self.num_speculative_tokens is not None,
+             f"speculative_model={self.speculative_model!r} needs num_speculative_tokens (--num-speculative-tokens K|auto)"),
+            (self.num_speculative_tokens is None or self.speculative_model is not None,
+             "num_speculative_tokens (--num-speculative-tokens) is set but speculative_model (--speculative-model) is not"),
+            (self.speculative_model is None or (isinstance(self.speculative_model, str) and self.speculative_model),
+             "speculative_model must be demo-draft, ngram or a model directory"),
+            (1 <= self.speculative_max_k <= 16, f"speculative_max_k must be in [1, 16], got {self.speculative_max_k}"),
+            (1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
+             f"prompt lookup needs 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
+             f"({self.prompt_lookup_max})"),
         ]
         for ok, msg in checks:
             if not ok:
                 raise TokenmillError(f"EngineConfig: {msg}")
+
+    @property
+    def spec_enabled(self) -> bool:
+        return self.speculative_model is not None
 
     @property
     def kv_tiers_enabled(self) -> bool:
@@ -86,3 +109,18 @@ class EngineConfig:
         if unknown:
             raise TokenmillError(f"unknown engine option(s): {sorted(unknown)}")
         return cls(**kwargs)
+
+
+def _parse_num_spec(v):
+    """K (an int in [1, 16], also as a string) | "auto" | None."""
+    if v is None or v == "auto":
+        return v
+    if isinstance(v, bool):
+        raise TokenmillError(f"EngineConfig: num_speculative_tokens must be an integer in [1, 16] or 'auto', got {v!r}")
+    try:
+        k = int(v) if isinstance(v, int) or str(v).strip().isdigit() else None
+    except ValueError:
+        k = None
+    if k is None or not 1 <= k <= 16:
+        raise TokenmillError(f"EngineConfig: num_speculative_tokens must be an integer in [1, 16] or 'auto', got {v!r}")
+    return k

@@ -41,10 +41,16 @@ class LLMEngine:
         self.device = pick_device(c.device)
         self.dtype = pick_dtype(c.dtype, cfg, self.device)
         self.kv_dtype = self.dtype if c.kv_cache_dtype == "auto" else getattr(torch, c.kv_cache_dtype)
-        num_blocks = ModelRunner.num_blocks_for_bytes(cfg, c.kv_cache_bytes, c.block_size, self.kv_dtype)
+        block_bytes = ModelRunner.kv_bytes_per_block(cfg, c.block_size, self.kv_dtype)
+        if c.spec_enabled and c.speculative_model != "ngram":  # a draft model's KV shares the blocks
+            from tokenmill.engine.spec.proposers import draft_model_config
+
+            block_bytes += ModelRunner.kv_bytes_per_block(draft_model_config(c.speculative_model, cfg)[1],
+                                                          c.block_size, self.kv_dtype)
+        num_blocks = c.kv_cache_bytes // block_bytes
         if num_blocks < 1:
             raise ModelLoadError(f"kv_cache_bytes={c.kv_cache_bytes} holds no block of {c.block_size} tokens "
-                                 f"({ModelRunner.kv_bytes_per_block(cfg, c.block_size, self.kv_dtype)} bytes each)")
+                                 f"({block_bytes} bytes each)")
         self.kv_capacity_tokens = num_blocks * c.block_size
         if c.max_model_len is not None and c.max_model_len > cfg.max_position_embeddings:
             raise ModelLoadError(f"max_model_len={c.max_model_len} exceeds the model's max_position_embeddings="
@@ -62,6 +68,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, c.max_waiting_requests),
                                    self.kv)
         self.tiers = self._make_tiers(window) if c.kv_tiers_enabled else None
+        self.spec = self._make_spec(num_blocks) if c.spec_enabled else None  # None: speculation off, step unchanged
         self.sampler = Sampler(c.seed)
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -98,6 +105,15 @@ class LLMEngine:
             except OSError as e:
                 raise ModelLoadError(f"{opt}={path!r}: cannot use it for the {name} KV tier: {e}") from None
         return KVTiers(stores, fp, self.runner, self.kv, load_timeout_s=c.kv_load_timeout_s)
+
+    def _make_spec(self, num_blocks: int):
+        from tokenmill.engine.spec.decoder import SpecDecoder
+        from tokenmill.engine.spec.proposers import make_proposer
+
+        c = self.config
+        proposer = make_proposer(c, self.model_config, self.device, self.dtype, num_blocks, c.block_size,
+                                 self.max_model_len, self.kv_dtype)
+        return SpecDecoder(proposer, c.num_speculative_tokens, c.speculative_max_k, self.max_model_len)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -161,7 +177,11 @@ class LLMEngine:
         them); `token_budget`: at most this many tokens in this step (default max_num_batched_tokens)."""
         if self.tiers is not None:
             self._tier_loads()
-        sched = self.scheduler.schedule(now, token_budget)
+        spec = self.spec
+        if spec is None:
+            sched = self.scheduler.schedule(now, token_budget)
+        else:
+            sched = self.scheduler.schedule(now, token_budget, spec.plan(self.scheduler, token_budget))
         if self.tiers is not None and sched.preempted:
             self.tiers.preempted(sched.preempted)
         self.last_first_scheduled = sched.first_scheduled  # for callers that time the waiting phase
@@ -173,6 +193,8 @@ class LLMEngine:
             return []
         self.num_steps += 1
         try:
+            if spec is not None:
+                spec.propose(sched, self.scheduler.requests, self._gens)
             t0 = time.perf_counter()
             model_out = self.runner.execute(sched)
             exec_s = time.perf_counter() - t0
@@ -185,7 +207,65 @@ class LLMEngine:
                 self.tiers.store_computed(sched, self.scheduler.requests)  # write-through, before blocks are freed
             except Exception:  # noqa: BLE001
                 log.exception("KV tier store failed")
-        return self._postprocess(sched, model_out)
+        if spec is None:
+            return self._postprocess(sched, model_out)
+        outs = (self._postprocess_spec(sched, model_out) if any(s.num_spec_slots for s in sched.seqs)
+                else self._postprocess(sched, model_out))
+        spec.observe_step(sched)  # the step's measured time feeds the auto policy's cost model
+        return outs
+
+    def _postprocess_spec(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
+        """_postprocess with speculative sequences: each may emit several tokens (spec/decoder.py)."""
+        from tokenmill.engine.spec.decoder import logprobs_for
+
+        spec = self.spec
+        plain = [(i, s) for i, s in enumerate(sched.seqs) if s.num_logits > 0 and not s.num_spec_slots]
+        emitted: dict[str, tuple[list[int], list]] = {}
+        if plain:
+            reqs = [self.scheduler.requests[s.request_id] for _, s in plain]
+            rows = [out.logit_offsets[i] + s.num_logits - 1 for i, s in plain]
+            result = self.sampler.sample(out.logits.index_select(0, torch.tensor(rows, device=out.logits.device)),
+                                         [r.params for r in reqs], [self._gens.get(r.request_id) for r in reqs])
+            for r, tok, lp in zip(reqs, result.token_ids, result.logprobs):
+                emitted[r.request_id] = ([tok], [lp] if lp is not None else None)
+        verified = {}
+        for i, s in enumerate(sched.seqs):
+            if not s.num_spec_slots:
+                continue
+            req = self.scheduler.requests[s.request_id]
+            rows = out.logits[out.logit_offsets[i]:out.logit_offsets[i] + s.num_logits]
+            toks, kept = spec.verify(req, rows, self._gens.get(req.request_id), self.sampler.default_gen)
+            emitted[s.request_id] = (toks, logprobs_for(rows, toks, req.params.logprobs))
+            verified[s.request_id] = kept
+        outputs = []
+        for s in sched.seqs:
+            if s.request_id not in emitted:
+                continue
+            req = self.scheduler.requests[s.request_id]
+            toks, lps = emitted[s.request_id]
+            detok = self._detok[req.request_id]
+            status, new = None, []
+            for tok in toks:
+                req.append_output(tok)
+                new.append(tok)
+                self.generation_tokens_total += 1
+                status = self._check_stop(req, tok, detok)
+                if status is not None:
+                    break
+            finished = status is not None
+            if finished:
+                self.scheduler.finish(req, status)
+            elif req.request_id in verified:
+                spec.rollback(self.scheduler, req, verified[req.request_id])
+            outputs.append(RequestOutput(
+                request_id=req.request_id, new_token_ids=new, new_text=detok.take(finished), text=detok.text,
+                output_token_ids=req.output_token_ids, num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=max(req.num_cached_tokens, 0), finished=finished,
+                finish_reason=status.value if status else None, stop_reason=req.stop_reason,
+                new_logprobs=lps[:len(new)] if lps is not None else None))
+            if finished:
+                self._forget(req.request_id)
+        return outputs
 
     def _tier_loads(self) -> None:
         """Tier loads run beside the steps (engine/tiers/manager.py): install the finished ones (their requests
@@ -272,6 +352,8 @@ class LLMEngine:
             self.tiers.forget(request_id)
         self._detok.pop(request_id, None)
         self._gens.pop(request_id, None)
+        if self.spec is not None:
+            self.spec.forget(request_id)
 
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -284,13 +366,20 @@ class LLMEngine:
             prefix_cache_hits_tokens=self.kv.prefix_hits_tokens,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             num_steps=self.num_steps, kv_tiers=self.tiers.stats() if self.tiers is not None else {},
-            kv_tiers_engine=self.tiers.engine_stats() if self.tiers is not None else {})
+            kv_tiers_engine=self.tiers.engine_stats() if self.tiers is not None else {},
+            spec=self.spec.stats.copy() if self.spec is not None else None)
 
     def _weights_note(self) -> str:
         if self.model_config.quantization:
             return " with int8 weights (W8A8, pre-quantized checkpoint)"
         q = self.config.quantization
         return "" if q == "none" else f" with {q} weights (W8A8)"
+
+    def _spec_note(self) -> str:
+        c = self.config
+        if self.spec is None:
+            return ""
+        return f"speculative decoding {c.speculative_model} k={c.num_speculative_tokens}; "
 
     def describe(self) -> str:
         c, cfg = self.config, self.model_config
@@ -299,4 +388,5 @@ class LLMEngine:
                 f"{self._weights_note()}; KV cache ({str(self.kv_dtype).replace('torch.', '')}) {self.kv.pool.num_blocks} "
                 f"blocks x {c.block_size} = {self.kv_capacity_tokens} tokens; max_model_len {self.max_model_len}; "
                 f"prefix caching {'on' if c.enable_prefix_caching else 'off'}; "
+                f"{self._spec_note()}"
                 f"{self.tiers.describe() + '; ' if self.tiers is not None else ''}{capabilities().summary()}")

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.engine.spec.stats import SpecStats
 
 
 @dataclass
@@ -52,6 +56,7 @@ class EngineStats:
     num_steps: int
     kv_tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # tier name -> counters (KVTiers.stats)
     kv_tiers_engine: dict[str, float] = field(default_factory=dict)  # the tiers as a whole (KVTiers.engine_stats)
+    spec: "SpecStats | None" = None  # speculative decoding counters (None: off); engine/spec/stats.py
 
     @property
     def kv_usage(self) -> float:

@@ -162,6 +162,12 @@ class ModelRunner:
                 dec_idx.append(q_start)
                 dec_tables.append(bt[: -(-ctx // bs)])
                 dec_lens.append(ctx)
+            elif s.num_spec_slots:  # speculative verification: each token attends like a decode (KV is written first)
+                for j in range(n):
+                    c = s.start_pos + j + 1
+                    dec_idx.append(q_start + j)
+                    dec_tables.append(bt[: -(-c // bs)])
+                    dec_lens.append(c)
             else:
                 spans.append(SeqSpan(q_start, n, ctx, self._tensor(bt[: -(-ctx // bs)])))
             offsets.append(len(logits_idx))

@@ -51,6 +51,8 @@ class ScheduledSeq:
     start_pos: int
     block_ids: list[int]
     num_logits: int
+    num_spec_slots: int = 0  # speculative decoding: KV slots reserved after token_ids for drafts the engine appends
+    # (> 0: the runner attends each of the seq's tokens as a decode query, the decode kernel's path)
 
 
 @dataclass
@@ -154,10 +156,13 @@ class Scheduler:
         return sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
 
     # -- the step -------------------------------------------------------------------------------
-    def schedule(self, now: float | None = None, token_budget: int | None = None) -> SchedulerOutput:
+    def schedule(self, now: float | None = None, token_budget: int | None = None,
+                 spec_tokens: dict[str, int] | None = None) -> SchedulerOutput:
         """One step's batch. `now` (the caller's clock, the one deadlines are on) demotes late waiting
         requests; `token_budget` lowers max_num_batched_tokens for this step (never below one token per
-        decoding request plus one)."""
+        decoding request plus one). `spec_tokens`: request id -> k, KV slots and budget to reserve for k
+        draft tokens after a decoding request's token (speculative decoding; cut to the budget left over
+        after one token per decoding request, and dropped rather than preempting anyone for it)."""
         out = SchedulerOutput()
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         budget = self.config.max_num_batched_tokens
@@ -169,12 +174,21 @@ class Scheduler:
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         decoding.sort(key=lambda r: r.sort_key)
         prefilling.sort(key=lambda r: r.sort_key)
+        spare = budget - len(decoding)  # tokens for drafts once every decoding request has its own
         for req in decoding + prefilling:
             if budget <= 0:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if spec_tokens and spare > 0 and (k := min(spec_tokens.get(req.request_id, 0), spare)) > 0 \
+                    and num_new == 1 and self.kv.allocate_slots(req, req.num_computed_tokens, 1 + k):
+                self._emit(req, req.num_computed_tokens, 1, out)
+                out.seqs[-1].num_spec_slots = k
+                scheduled.add(req.request_id)
+                budget -= 1 + k
+                spare -= k
+                continue
             while not self.kv.allocate_slots(req, req.num_computed_tokens, num_new):
                 victim = self._pick_victim(scheduled)
                 self._preempt(victim, out)

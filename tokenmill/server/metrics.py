@@ -143,6 +143,27 @@ class _EngineCollector:
     def describe(self):  # no samples at registration time (the engine may not have stepped yet)
         return []
 
+    @staticmethod
+    def _spec(sp, counter, labels, vals):
+        """Speculative decoding: vLLM's spec_decode counters, the chosen-k distribution, k switches."""
+        yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", sp.num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", sp.num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", sp.num_accepted_tokens)
+        c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Accepted tokens per draft position.", labels=labels + ["position"])
+        for j, n in enumerate(sp.accepted_per_pos):
+            c.add_metric(vals + [str(j)], n)
+        yield c
+        c = CounterMetricFamily("tokenmill_spec_decode_chosen_k",
+                                "Decoding sequence-steps by the speculation length chosen (0: off).",
+                                labels=labels + ["proposer", "k"])
+        for k, n in sorted(sp.chosen_k.items()):
+            c.add_metric(vals + [sp.proposer, str(k)], n)
+        yield c
+        yield counter("tokenmill_spec_decode_k_switches",
+                      "Times a decoding sequence's speculation length differed from its previous step's.",
+                      sp.num_k_switches)
+
     def collect(self):
         s, pending = self.snapshot()
         if s is None:
@@ -179,6 +200,8 @@ class _EngineCollector:
                       s.num_preempted_total)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens_total)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens_total)
+        if s.spec is not None:
+            yield from self._spec(s.spec, counter, labels, vals)
         info_labels = labels + ["block_size", "num_gpu_blocks", "enable_prefix_caching"]
         info_vals = vals + [str(s.block_size), str(s.kv_blocks_total), str(self.enable_prefix_caching)]
         yield gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1, info_labels, info_vals)

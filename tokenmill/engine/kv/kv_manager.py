@@ -100,6 +100,18 @@ class KVCacheManager:
             self.pool.register(table[i], hashes[i], toks[i * bs:(i + 1) * bs])
         req.num_registered_blocks = max(req.num_registered_blocks, len(hashes))
 
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Keep only the blocks that the first num_tokens tokens need (speculative decoding's rollback of
+        rejected draft positions). The blocks released were never registered: they hold no known token's
+        full block."""
+        table = self.tables.get(req.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if table and len(table) > keep:
+            assert keep >= req.num_registered_blocks, "truncate would drop a registered block"
+            tail = table[keep:]
+            del table[keep:]
+            self.pool.release(reversed(tail))
+
     def free(self, req: Request) -> None:
         """Release the request's blocks (finish, abort, preemption): last block first, so a request's
         tail is evicted before its (more shareable) prefix."""

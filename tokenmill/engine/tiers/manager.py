@@ -329,7 +329,8 @@ class KVTiers:
             req = requests.get(s.request_id)
             if req is None:
                 continue
-            first, end = s.start_pos // bs, (s.start_pos + len(s.token_ids)) // bs
+            # blocks full of known tokens only (a speculative step's draft positions may be rejected)
+            first, end = s.start_pos // bs, min(s.start_pos + len(s.token_ids), req.num_tokens) // bs
             if end <= first:
                 continue
             keys = self.keys(req, end)
