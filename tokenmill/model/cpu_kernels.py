@@ -9,6 +9,7 @@ Set TOKENMILL_CPU_KERNELS=0 to disable. Build output is cached under ~/.cache/to
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -62,8 +63,11 @@ def get_kernels():
         log.info("loading the CPU attention kernel (compiled once per machine, ~1 minute the first time)")
 
         suffix, isa = _isa_flags()
-        name = "tokenmill_cpu_kernels_v16" + suffix
         src = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+        # one build per (source text, source path, ISA): two checkouts or versions on one machine must not
+        # share a build directory, or each would rebuild the other's module on every start (~30 s each)
+        digest = hashlib.sha256(src.read_bytes() + str(src.resolve()).encode()).hexdigest()[:12]
+        name = f"tokenmill_cpu_kernels_{digest}{suffix}"
         _state["mod"] = load(name=name, sources=[str(src)], extra_cflags=["-O3", "-fopenmp", *isa],
                              extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build problem means: use the PyTorch path

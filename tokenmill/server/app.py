@@ -171,6 +171,9 @@ class OpenAIServer:
             if not ids:
                 raise bad_request("prompt encodes to zero tokens", param="prompt")
             return ids
+        vocab = self.engine.vocab_size
+        if vocab is not None and any(not 0 <= t < vocab for t in req.prompt):
+            raise bad_request(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         return list(req.prompt)
 
     async def _collect(self, req: GenerateRequest, rid: str, stream: RequestStream) -> web.Response:
@@ -325,6 +328,7 @@ class OpenAIServer:
             "num_in_flight": self.engine.num_in_flight(), "engine_errors": self.engine.error_count,
             "engine_step_seconds": self.engine.step_seconds, "stats": stats,
             "engine_core_pid": getattr(self.engine.engine, "pid", None), "draining": self.draining,
+            "core_results": self.engine.num_results, "core_frames_sent": self.engine.frames_sent,
         })
 
     # -- middlewares ------------------------------------------------------------------------------

@@ -127,6 +127,7 @@ class _Shared:
     cond: threading.Condition = field(default_factory=threading.Condition)
     commands: deque = field(default_factory=deque)
     stopping: bool = False
+    adds_taken: int = 0  # adds the thread took off `commands` (the loop counts those it put there)
 
 
 class AsyncEngine:
@@ -146,6 +147,8 @@ class AsyncEngine:
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.tokenizer = engine.tokenizer
+        self.vocab_size: int | None = getattr(getattr(engine, "model_config", None), "vocab_size", None) or getattr(
+            engine, "vocab_size", None) or getattr(engine.tokenizer, "vocab_size", None)  # checked before hashing
         self._streams: dict[str, RequestStream] = {}  # requests in flight
         self._adding: dict[str, asyncio.Future] = {}  # adds sent, their result not back yet
         self._live: dict[str, _Track] = {}  # requests added and not finished (metrics)
@@ -156,6 +159,8 @@ class AsyncEngine:
         self.error_count = 0
         self.step_seconds = 0.0  # wall time inside engine.step(), cumulative
         self.num_results = 0  # StepResults received
+        self._adds_sent = 0
+        self.frames_sent = 0  # process transport: command frames written
         # thread transport
         self._shared = _Shared()
         self._thread: threading.Thread | None = None
@@ -223,11 +228,12 @@ class AsyncEngine:
         token's). `ttft_deadline` is on the time.perf_counter() clock."""
         if self._dead is not None:
             raise EngineError(self._dead)
-        if len(self._adding) >= self.max_pending:
-            raise EngineOverloadedError(f"{len(self._adding)} requests are already queued; retry later")
+        if self.num_pending() >= self.max_pending:
+            raise EngineOverloadedError(f"{self.num_pending()} requests are already queued; retry later")
         stream = self._streams[request_id] = RequestStream(request_id)
         self._live[request_id] = _Track(time.perf_counter(), params.max_tokens, len(prompt_token_ids), collect)
         future = self._adding[request_id] = self._loop.create_future()
+        self._adds_sent += 1
         self._send(AddCmd(request_id, prompt_token_ids, params, priority, ttft_deadline, tpot_slo_s, rank))
         try:
             await future
@@ -248,6 +254,10 @@ class AsyncEngine:
                 self._send(AbortCmd(request_id))
 
     def num_pending(self) -> int:
+        """Adds not yet applied by the core (process transport: not yet reported applied, so those of the
+        step running now count too)."""
+        if self.in_process:
+            return self._adds_sent - self._shared.adds_taken
         return len(self._adding)
 
     def num_in_flight(self) -> int:
@@ -285,6 +295,7 @@ class AsyncEngine:
         cmds, self._outbox = self._outbox, []
         if cmds and self._dead is None:
             self._writer.write(frame(cmds))
+            self.frames_sent += 1
 
     # -- results ----------------------------------------------------------------------------------
     def _on_result(self, res: StepResult) -> None:
@@ -420,6 +431,7 @@ class AsyncEngine:
                 if self._shared.stopping:
                     break
                 commands, self._shared.commands = self._shared.commands, deque()
+                self._shared.adds_taken += sum(1 for c in commands if isinstance(c, AddCmd))
             try:
                 res = core.run_once(commands)
             except Exception:  # noqa: BLE001 - keep the thread alive; run_once handles step() itself

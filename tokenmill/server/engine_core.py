@@ -84,6 +84,7 @@ class CoreHello:
     block_size: int
     enable_prefix_caching: bool
     max_num_batched_tokens: int
+    vocab_size: int
     description: str
     stats: EngineStats
 
@@ -279,7 +280,8 @@ def serve_core(sock: socket.socket) -> int:
     c = engine.config
     sock.sendall(frame(CoreHello(os.getpid(), engine.model_name, str(engine.model_path), engine.max_model_len,
                                  engine.kv_capacity_tokens, c.block_size, c.enable_prefix_caching,
-                                 c.max_num_batched_tokens, engine.describe(), engine.stats())))
+                                 c.max_num_batched_tokens, engine.model_config.vocab_size, engine.describe(),
+                                 engine.stats())))
     core = EngineCore(engine, StepBudget(setup.step_budget), slim_outputs=True, kv_events=setup.kv_events)
     busy = False
     try:

@@ -79,6 +79,10 @@ class EngineProcess:
         return self.hello.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.hello.vocab_size
+
+    @property
     def kv_capacity_tokens(self) -> int:
         return self.hello.kv_capacity_tokens
 
