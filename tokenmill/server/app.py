@@ -32,6 +32,7 @@ from aiohttp import web
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.errors import EngineOverloadedError, InvalidRequestError
 from tokenmill.router.classes import CLASS_HEADER
+from tokenmill.router.health import DRAINING_HEADER  # on 503s while draining (or engine-less): routers drop us at once
 from tokenmill.router.router import Refused
 from tokenmill.server.admission import ServerAdmission, ServerAdmissionConfig
 from tokenmill.server.async_engine import AsyncEngine, EngineError, RequestStream
@@ -88,7 +89,7 @@ class OpenAIServer:
             why = "is shutting down (draining)" if self.fatal is None else "lost its engine and is restarting"
             raise APIError(503, f"the server {why}; retry (on another replica)", "overloaded_error", None,
                            "draining" if self.fatal is None else "engine_dead",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+                           headers={"Retry-After": str(RETRY_AFTER_S), DRAINING_HEADER: "1"})
         self.num_active += 1
         self.idle.clear()
         try:
@@ -302,9 +303,11 @@ class OpenAIServer:
         """200 while the server takes work; 503 when draining or when the engine core is gone."""
         if self.fatal is not None or not self.engine.alive:
             why = self.fatal or self.engine.dead_reason or "the engine core is not running"
-            return web.json_response({"status": "engine_dead", "detail": why}, status=503)
+            return web.json_response({"status": "engine_dead", "detail": why}, status=503,
+                                     headers={DRAINING_HEADER: "1"})
         if self.draining:
-            return web.json_response({"status": "draining"}, status=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+            return web.json_response({"status": "draining"}, status=503,
+                                     headers={"Retry-After": str(RETRY_AFTER_S), DRAINING_HEADER: "1"})
         return web.json_response({"status": "ok"})
 
     async def openapi(self, request: web.Request) -> web.Response:
