@@ -166,6 +166,21 @@ def main(argv=None) -> int:
         if pts:
             print(f"\n{name} RSS after {args.warmup_min:g} min warm-up: {min(v for _, v in pts):.1f}–"
                   f"{max(v for _, v in pts):.1f} MiB over {len(pts)} samples, slope {fmt(slope_per_min(pts), '+.2f')} MiB/min")
+    slo = dict(kv.split("=") for kv in args.slo.split(":", 1)[1].split(","))
+    ttft_slo, tpot_slo = float(slo["ttft"]) / 1000, float(slo["tpot"]) / 1000
+    ok_recs = [r for r in records if r["status"] == "ok" and r.get("first_token_s") is not None]
+
+    def met(r) -> bool:
+        n = r["output_tokens"]
+        tpot = (r["end_s"] - r["first_token_s"]) / (n - 1) if n > 1 else 0.0
+        return r["first_token_s"] - r["sent_s"] <= ttft_slo and tpot <= tpot_slo
+
+    refused_ms = [(r["end_s"] - r["sent_s"]) * 1000 for r in records if r["status"] == "rejected" and r.get("end_s")]
+    print(f"
+accepted requests within the SLO: {sum(map(met, ok_recs))}/{len(ok_recs)}"
+          + (f" ({sum(map(met, ok_recs)) / len(ok_recs):.1%})" if ok_recs else "")
+          + f"; refusals (429/503) answered in p50 {fmt(pct(refused_ms, .5), '.1f')} ms, "
+            f"p99 {fmt(pct(refused_ms, .99), '.1f')} ms, max {fmt(max(refused_ms, default=None), '.1f')} ms")
     errors = [r.get("error") for r in records if r["status"] == "failed"][:5]
     print(f"\nrequests: {len(records)} sent, {sum(r['status'] == 'ok' for r in records)} ok, "
           f"{sum(r['status'] == 'rejected' for r in records)} refused, {total_failed} failed" +
