@@ -400,8 +400,9 @@ def create_app(engine, *, api_key: str | None = None, served_model_names: list[s
                max_pending: int = 4096, enable_prefix_caching: bool = True,
                stream_interval: int = 1, admission: ServerAdmissionConfig | None = None,
                step_budget=None) -> web.Application:
-    """An aiohttp app serving `engine` (an LLMEngine or anything with its interface). The engine thread
-    starts with the app and stops at its cleanup. `admission`: the SLO classes and admission policy
+    """An aiohttp app serving `engine`: a started EngineProcess (the core in its own process), or an LLMEngine
+    or anything with its interface (run in a thread). The engine core's loop starts with the app and stops
+    at its cleanup. `admission`: the SLO classes and admission policy
     (default: the router's default classes, leading-indicator admission)."""
     names = list(served_model_names or [engine.model_name])
     holder: dict = {}
