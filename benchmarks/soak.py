@@ -176,8 +176,7 @@ def main(argv=None) -> int:
         return r["first_token_s"] - r["sent_s"] <= ttft_slo and tpot <= tpot_slo
 
     refused_ms = [(r["end_s"] - r["sent_s"]) * 1000 for r in records if r["status"] == "rejected" and r.get("end_s")]
-    print(f"
-accepted requests within the SLO: {sum(map(met, ok_recs))}/{len(ok_recs)}"
+    print(f"\naccepted requests within the SLO: {sum(map(met, ok_recs))}/{len(ok_recs)}"
           + (f" ({sum(map(met, ok_recs)) / len(ok_recs):.1%})" if ok_recs else "")
           + f"; refusals (429/503) answered in p50 {fmt(pct(refused_ms, .5), '.1f')} ms, "
             f"p99 {fmt(pct(refused_ms, .99), '.1f')} ms, max {fmt(max(refused_ms, default=None), '.1f')} ms")
