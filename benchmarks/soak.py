@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="/tmp/tokenmill-soak")
     args = ap.parse_args(argv)
     from tokenmill.hardware import capabilities
+    from tokenmill.model.loader import resolve_model_path
 
     print(f"# CPU: {capabilities().summary()}", flush=True)
     out = Path(args.out)
@@ -119,7 +120,8 @@ def main(argv=None) -> int:
     rate = args.sessions * 4
     bench = [PY, "-m", "tokenmill", "bench", "--target", url, "--workload", args.workload, "--rate", f"{rate:g}",
              "--duration", f"{args.minutes * 60:g}", "--slo", args.slo, "--seed", str(args.seed),
-             "--out", str(out / "bench"), "--no-plots"]
+             "--out", str(out / "bench"), "--no-plots", "--no-progress", "--request-timeout", "300",
+             "--tokenizer", str(resolve_model_path(args.model))]  # token-id prompts: exact lengths
     print("# " + " ".join(bench), flush=True)
     t_bench = time.monotonic() - t_start
     rc = subprocess.run(bench, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
