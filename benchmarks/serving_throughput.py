@@ -12,6 +12,15 @@ After one unmeasured run of a workload of its own in both modes (warm-up), repea
 with seed+r through both modes (no prefix-cache reuse across repeats), which of
 the two goes first alternates (the machine may be shared and its load drift). Prints a markdown table of
 totals, the overall throughput ratio, and the ratio of each repeat.
+
+Several server variants in one run (`--variant NAME=PYTHONPATH[,FLAG,...]`, repeatable), e.g. the engine
+core process against main's in-thread engine:
+
+    python benchmarks/serving_throughput.py --model /tmp/srv_tiny --stream --num-threads 1 \
+        --variant process=/work/wt14 --variant main-thread=/work/main --variant thread=/work/wt14,--engine-process,off
+
+Each variant is its own `tokenmill serve` subprocess (that PYTHONPATH, those extra flags); per repeat the
+offline run and every variant run once, the order rotating.
 """
 
 from __future__ import annotations
@@ -119,12 +128,16 @@ async def _http_workload(url: str, model: str, prompts: list[str], max_tokens: i
 
 
 class Http:
-    """`tokenmill serve` in a subprocess (idle between runs: its engine thread sleeps)."""
+    """`tokenmill serve` in a subprocess (idle between runs: its engine sleeps)."""
 
-    def __init__(self, args):
-        cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", "0", "--admission", "off", *engine_flags(args)]
+    def __init__(self, args, pythonpath: str | None = None, extra: list[str] = ()):
+        import os
+
+        cmd = [sys.executable, "-m", "tokenmill", "serve", "--port", "0", "--admission", "off", *engine_flags(args),
+               *extra]
         self.args = args
-        self.server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
+        self.server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         line = self.server.stdout.readline()
         m = re.search(r"model '([^']*)'.* at (http://[\d.]+:\d+)", line)
         if not m:
@@ -185,7 +198,17 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads, both modes")
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=PYTHONPATH[,FLAG,...]",
+                   help="a server variant (repeatable; default: one, this checkout's defaults)")
     args = p.parse_args(argv)
+    variants = []
+    for v in args.variant:
+        name, _, rest = v.partition("=")
+        path, *extra = rest.split(",")
+        if not name or not path:
+            p.error(f"--variant {v!r}: want NAME=PYTHONPATH[,FLAG,...]")
+        variants.append((name, path, extra))
+    variants = variants or [("HTTP", None, [])]
     from tokenmill.hardware import capabilities
 
     print(f"# CPU: {capabilities().summary()}", flush=True)  # the ISA beside every table
@@ -196,45 +219,59 @@ def main(argv=None) -> int:
     tok = Tokenizer(resolve_model_path(args.model))
     workloads = [make_prompts(tok, args.num_prompts, args.min_input, args.max_input, args.seed + r)
                  for r in range(args.repeats)]
-    off_runner, http_runner = Offline(args), Http(args)
-    offline, http = [], []
+    off_runner = Offline(args)
+    runners = []
     try:
+        for name, path, extra in variants:
+            runners.append(Http(args, path, extra))
+        offline, http = [], [[] for _ in runners]
         warmup = make_prompts(tok, args.num_prompts, args.min_input, args.max_input, args.seed - 1)
         off_runner.run(warmup)  # the full workload once, unmeasured: allocator and caches reach steady state
-        http_runner.run(warmup)
-        for r, prompts in enumerate(workloads):  # alternate which goes first: drifting load hits both alike
-            if r % 2 == 0:
-                offline.append(off_runner.run(prompts))
-                http.append(http_runner.run(prompts))
-            else:
-                http.append(http_runner.run(prompts))
-                offline.append(off_runner.run(prompts))
+        for h in runners:
+            h.run(warmup)
+        for r, prompts in enumerate(workloads):  # rotate who goes first: drifting load hits all alike
+            order = list(range(len(runners) + 1))
+            order = order[r % len(order):] + order[:r % len(order)]
+            for i in order:
+                if i == 0:
+                    offline.append(off_runner.run(prompts))
+                else:
+                    http[i - 1].append(runners[i - 1].run(prompts))
     finally:
-        http_runner.close()
-    for o, h in zip(offline, http):
-        assert o[1:3] == h[1:3], f"token counts differ on the same prompts: offline {o[1:3]}, HTTP {h[1:3]}"
-    ratios = sorted(o[0] / h[0] for o, h in zip(offline, http))  # same tokens: throughput ratio = wall ratio
-    median_ratio = ratios[len(ratios) // 2] if len(ratios) % 2 else sum(ratios[len(ratios) // 2 - 1:][:2]) / 2
+        for h in runners:
+            h.close()
+    for runs in http:
+        for o, h in zip(offline, runs):
+            assert o[1:3] == h[1:3], f"token counts differ on the same prompts: offline {o[1:3]}, HTTP {h[1:3]}"
+
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
     rows = []
     sse = (f"SSE, stream interval {args.stream_interval}" if args.stream_interval > 1 else "SSE") \
         if args.stream else "non-streaming"
-    for name, runs in (("offline (LLM.generate)", offline), (f"HTTP ({sse})", http)):
+    for name, runs in (("offline (LLM.generate)", offline),
+                       *((f"{v[0]} ({sse})", runs) for v, runs in zip(variants, http))):
         wall, ptok, otok, step_s = (sum(x[i] for x in runs) for i in range(4))
         rows.append({"mode": name, "step_s": step_s, "requests": args.num_prompts * len(runs), "prompt_tokens": ptok,
                      "output_tokens": otok, "wall_s": wall, "req_s": args.num_prompts * len(runs) / wall,
-                     "output_tok_s": otok / wall, "total_tok_s": (ptok + otok) / wall})
+                     "output_tok_s": otok / wall, "total_tok_s": (ptok + otok) / wall,
+                     "vs_offline": None if runs is offline else sum(o[0] for o in offline) / wall,
+                     "median_repeat_ratio": None if runs is offline else median([o[0] / h[0] for o, h in zip(offline, runs)])})
     ratio = rows[1]["output_tok_s"] / rows[0]["output_tok_s"]
+    median_ratio = rows[1]["median_repeat_ratio"]
     print(f"model {args.model}, {args.num_prompts} prompts x {args.max_tokens} output tokens, "
           f"input {args.min_input}-{args.max_input} tokens, {args.repeats} repeats (totals)")
     print("| mode | requests | prompt tok | output tok | wall s | in engine.step() s | req/s | output tok/s "
-          "| total tok/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| total tok/s | vs offline (overall; median repeat) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
+        vs = "" if r["vs_offline"] is None else f"{r['vs_offline']:.1%}; {r['median_repeat_ratio']:.1%}"
         print(f"| {r['mode']} | {r['requests']} | {r['prompt_tokens']} | {r['output_tokens']} | {r['wall_s']:.2f} | "
-              f"{r['step_s']:.2f} | {r['req_s']:.2f} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} |")
-    print(f"\nHTTP / offline throughput: {ratio:.1%} over all repeats; per repeat (same prompts): "
-          + ", ".join(f"{o[0] / h[0]:.1%}" for o, h in zip(offline, http)) + f"; median {median_ratio:.1%} (target >= 90%)")
+              f"{r['step_s']:.2f} | {r['req_s']:.2f} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | {vs} |")
+    for (name, _, _), runs in zip(variants, http):
+        print(f"{name} / offline per repeat (same prompts): " + ", ".join(f"{o[0] / h[0]:.1%}" for o, h in zip(offline, runs)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "ratio": ratio, "median_repeat_ratio": median_ratio,

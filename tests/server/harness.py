@@ -12,8 +12,10 @@ from tokenmill.server.app import SERVER_KEY, create_app, serve
 
 
 class ServerThread:
-    def __init__(self, engine, **app_kwargs):
+    def __init__(self, engine, drain_timeout: float = 5.0, **app_kwargs):
         self.engine = engine
+        self.drain_timeout = drain_timeout
+        self.exit_code = None
         self.app = create_app(engine, **app_kwargs)
         self.server = self.app[SERVER_KEY]
         self.url = None
@@ -31,7 +33,7 @@ class ServerThread:
                 self.url = url
                 self._ready.set()
 
-            await serve(self.app, "127.0.0.1", 0, ready, self._stop)
+            self.exit_code = await serve(self.app, "127.0.0.1", 0, ready, self._stop, self.drain_timeout)
 
         asyncio.run(main())
 

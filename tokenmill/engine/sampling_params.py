@@ -43,6 +43,8 @@ class SamplingParams:
             bad(f"top_k must be an integer, got {self.top_k!r}", "top_k")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             bad(f"seed must be an integer, got {self.seed!r}", "seed")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
+            bad(f"seed must fit in 64 bits, got {self.seed}", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop must be a non-empty string or a list of non-empty strings", "stop")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):

@@ -8,6 +8,11 @@
     POST /admin/workers {"url": ..., "kind": ...}   add a worker (healthy after its first check)
     DELETE /admin/workers {"url": ...}           remove: it drains what it has and gets nothing new
 
+`run(app, host, port, drain_timeout)`: SIGTERM/SIGINT drains the router itself: new requests get 503 +
+Retry-After (code "draining"), /health answers 503, requests in flight run up to `drain_timeout` s, exit 0.
+A worker that answers 503 with the x-tokenmill-draining header (`tokenmill serve` draining) is taken out
+of rotation at once (proxy.py, health.py).
+
 Bad input gets a 4xx OpenAI-style error body; no exception in a handler can stop the router.
 """
 
@@ -33,6 +38,7 @@ log = logging.getLogger("tokenmill.router")
 ROUTER = web.AppKey("router", Router)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 HEALTH = web.AppKey("health", HealthChecker)
+DRAINING = web.AppKey("draining", asyncio.Event)  # set: refuse new requests, finish those in flight
 
 
 @web.middleware
@@ -95,6 +101,9 @@ async def _openai(request: web.Request, chat: bool) -> web.StreamResponse:
         ctx = router.new_request(prompt_key(body, chat, router.cfg.prefix_index), cls, _max_tokens(body))
     except InvalidRequestError as e:
         return error_response(400, str(e), "invalid_request_error", param=e.param)
+    if request.app[DRAINING].is_set():
+        return error_response(503, "the router is shutting down (draining); retry", "overloaded_error", "draining",
+                              retry_after_s=1.0)
     if router.in_flight >= router.cfg.max_in_flight:
         router.metrics.rejections.labels(cls.name, "overloaded").inc()
         return error_response(503, f"the router has {router.in_flight} requests in flight (max_in_flight)",
@@ -126,6 +135,8 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    if request.app[DRAINING].is_set():
+        return web.json_response({"status": "draining"}, status=503)
     healthy = sum(w.healthy for w in request.app[ROUTER].pool)
     return web.json_response({"status": "ok" if healthy else "no healthy worker", "healthy_workers": healthy},
                              status=200 if healthy else 503)
@@ -168,6 +179,7 @@ async def remove_worker(request: web.Request) -> web.Response:
 def create_app(router: Router) -> web.Application:
     app = web.Application(client_max_size=router.cfg.max_body_bytes, middlewares=[errors_as_json])
     app[ROUTER] = router
+    app[DRAINING] = asyncio.Event()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -194,3 +206,31 @@ async def _cleanup(app: web.Application) -> None:
     await app[HEALTH].stop()
     await app[ROUTER].close()
     await app[SESSION].close()
+
+
+async def run(app: web.Application, host: str, port: int, drain_timeout: float = 30.0) -> int:
+    """Serve until SIGTERM/SIGINT, then drain (module docstring); a second signal stops at once."""
+    import signal
+
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    loop = asyncio.get_running_loop()
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (force if stop.is_set() else stop).set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await stop.wait()
+        app[DRAINING].set()
+        router = app[ROUTER]
+        log.warning("draining: %d request(s) in flight, up to %.0f s", router.in_flight, drain_timeout)
+        deadline = loop.time() + drain_timeout
+        while router.in_flight and loop.time() < deadline and not force.is_set():
+            await asyncio.sleep(0.05)
+    finally:
+        await runner.cleanup()
+    return 0

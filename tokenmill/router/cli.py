@@ -33,6 +33,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8080)")
     p.add_argument("--config", metavar="FILE", help="router config, JSON or TOML (see tokenmill/router/config.py)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT: 503 to new requests, in-flight ones get this long (default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
     return p
@@ -77,13 +79,17 @@ def build_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from aiohttp import web
+    import asyncio
 
+    from tokenmill.cli import CLIError
     from tokenmill.router.app import create_app
+    from tokenmill.router.app import run as run_app
     from tokenmill.router.cluster import attach
     from tokenmill.router.router import Router
 
     cfg = build_config(args)
+    if not args.drain_timeout >= 0:
+        raise CLIError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(Router(cfg))
     attach(app)
@@ -91,5 +97,7 @@ def run(args: argparse.Namespace) -> int:
     epp = f" epp=grpc://{cfg.host}:{cfg.epp_port}" if cfg.epp_port is not None else ""
     print(f"tokenmill route: http://{cfg.host}:{cfg.port}{epp} policy={cfg.policy} admission={cfg.admission.mode} "
           f"workers={workers}", flush=True)
-    web.run_app(app, host=cfg.host, port=cfg.port, print=None, access_log=None)
-    return 0
+    try:
+        return asyncio.run(run_app(app, cfg.host, cfg.port, args.drain_timeout))
+    except OSError as e:  # address in use, permission denied
+        raise CLIError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}") from None

@@ -17,6 +17,8 @@ from tokenmill.router.router import Router
 from tokenmill.router.worker_metrics import parse_worker_metrics
 from tokenmill.router.worker_state import WorkerState
 
+DRAINING_HEADER = "x-tokenmill-draining"  # tokenmill serve sets it on its 503s while draining
+
 log = logging.getLogger("tokenmill.router")
 
 
@@ -52,9 +54,12 @@ class HealthChecker:
         try:
             async with self.session.get(w.url + "/health", timeout=timeout) as resp:
                 ok = resp.status == 200
+                draining = resp.status == 503 and bool(resp.headers.get(DRAINING_HEADER))
                 await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
-            ok = False
+            ok = draining = False
+        if draining:  # a worker shutting down: no new work from this check on
+            w.failures = max(w.failures + 1, self.router.cfg.unhealthy_after)
         if not ok:
             w.failures += 1
             if w.failures >= self.router.cfg.unhealthy_after or not w.healthy:

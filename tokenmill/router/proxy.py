@@ -19,6 +19,7 @@ import aiohttp
 from aiohttp import web
 
 from tokenmill.router.classes import PRIORITY_HEADER
+from tokenmill.router.health import DRAINING_HEADER
 from tokenmill.router.router import Refused, RequestCtx, Router
 from tokenmill.router.worker_state import InFlight
 
@@ -127,6 +128,8 @@ async def _attempt(router: Router, session: aiohttp.ClientSession, ctx: RequestC
     try:
         async with session.post(f.worker + path, data=data, headers=headers, timeout=timeout) as up:
             if up.status != 200:
+                if up.status == 503 and up.headers.get(DRAINING_HEADER):  # draining: route elsewhere from now on
+                    router.mark_down(f.worker)
                 return await _non_200(up)
             if stream:
                 return await _relay_stream(router, ctx, f, up, request, bool(

@@ -20,7 +20,7 @@ The leading indicator is the router's: the predicted TTFT of the new request = c
 rate), and the predicted TPOT = base + per-stream x (decode streams + 1); refused (429 + Retry-After from
 the predicted excess) when even the optimistic end of the prediction misses the class's TTFT budget.
 
-The clock is `time.perf_counter` (the engine thread passes it to `step(now=...)`), so the TTFT deadline
+The clock is `time.perf_counter` (the engine core passes it to `step(now=...)`), so the TTFT deadline
 each admitted request carries into the engine's EDF ordering is on the same clock.
 """
 

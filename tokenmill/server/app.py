@@ -1,10 +1,17 @@
 """HTTP routes (aiohttp.web): the OpenAI-compatible API plus health, metrics and engine state.
 
     POST /v1/completions        POST /v1/chat/completions     (SSE when "stream": true)
-    GET  /v1/models             GET  /health    GET /metrics   GET /tokenmill/state
+    GET  /v1/models             GET  /health    GET /metrics   GET /tokenmill/state   GET /openapi.json
 
-`create_app(engine)` wraps a synchronous engine in an AsyncEngine whose thread starts with the app.
+`create_app(engine)` wraps an engine core in an AsyncEngine that starts with the app: an EngineProcess (the
+core in its own process, `tokenmill serve`'s default) or a synchronous engine (run in a thread).
 Every error leaves as an OpenAI-style `{"error": {...}}` body; `--api-key` guards `/v1/*` only.
+
+Life cycle (`serve`): SIGTERM/SIGINT (or the `stop` event) starts a drain: new generation requests get 503 +
+Retry-After (code "draining"), /health answers 503, the requests in flight run to their end for up to
+`drain_timeout` seconds (then they end with an error), and `serve` returns 0. A second signal stops at
+once. If the engine core dies, the requests in flight end with an error, /health answers 503 and `serve`
+returns 1 (a supervisor restarts the server).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from aiohttp import web
 from tokenmill.engine.outputs import RequestOutput, TokenLogprob
 from tokenmill.errors import EngineOverloadedError, InvalidRequestError
 from tokenmill.router.classes import CLASS_HEADER
+from tokenmill.router.health import DRAINING_HEADER  # on 503s while draining (or engine-less): routers drop us at once
 from tokenmill.router.router import Refused
 from tokenmill.server.admission import ServerAdmission, ServerAdmissionConfig
 from tokenmill.server.async_engine import AsyncEngine, EngineError, RequestStream
@@ -57,6 +65,17 @@ class OpenAIServer:
         # getting it back from a busy engine thread can take a switch interval)
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
+        self.draining = False  # SIGTERM: refuse new work, finish what is in flight
+        self.fatal: str | None = None  # the engine core died: serve() exits non-zero
+        self.on_fatal: Callable[[], None] | None = None  # set by serve(): wakes it up
+        self.num_active = 0  # generation requests inside a handler (held by admission, queued or running)
+        self.idle = asyncio.Event()  # set while num_active == 0 (the drain waits on it)
+        self.idle.set()
+
+    def core_died(self, message: str) -> None:
+        self.fatal = message
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     # -- generation -------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -66,6 +85,21 @@ class OpenAIServer:
         return await self._generate(request, parse_chat(await _json_body(request)))
 
     async def _generate(self, request: web.Request, req: GenerateRequest) -> web.StreamResponse:
+        if self.draining or self.fatal is not None:
+            why = "is shutting down (draining)" if self.fatal is None else "lost its engine and is restarting"
+            raise APIError(503, f"the server {why}; retry (on another replica)", "overloaded_error", None,
+                           "draining" if self.fatal is None else "engine_dead",
+                           headers={"Retry-After": str(RETRY_AFTER_S), DRAINING_HEADER: "1"})
+        self.num_active += 1
+        self.idle.clear()
+        try:
+            return await self._generate_active(request, req)
+        finally:
+            self.num_active -= 1
+            if self.num_active == 0:
+                self.idle.set()
+
+    async def _generate_active(self, request: web.Request, req: GenerateRequest) -> web.StreamResponse:
         if req.model is not None and req.model not in self.model_names:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves {self.model_names}",
                            "invalid_request_error", "model", "model_not_found")
@@ -109,6 +143,9 @@ class OpenAIServer:
             except EngineOverloadedError as e:
                 raise APIError(429, f"the server is overloaded: {e}", "server_overloaded", None, "engine_overloaded",
                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            except EngineError as e:  # the core died or the server is stopping
+                raise APIError(503, str(e), "overloaded_error", None, "engine_unavailable",
+                               headers={"Retry-After": str(RETRY_AFTER_S)}) from None
             try:
                 if req.stream:
                     return await self._stream(request, req, rid, stream)
@@ -135,6 +172,9 @@ class OpenAIServer:
             if not ids:
                 raise bad_request("prompt encodes to zero tokens", param="prompt")
             return ids
+        vocab = self.engine.vocab_size
+        if vocab is not None and any(not 0 <= t < vocab for t in req.prompt):
+            raise bad_request(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
         return list(req.prompt)
 
     async def _collect(self, req: GenerateRequest, rid: str, stream: RequestStream) -> web.Response:
@@ -260,9 +300,20 @@ class OpenAIServer:
                 "root": self.engine.model_name, "max_model_len": self.engine.max_model_len}
 
     async def health(self, request: web.Request) -> web.Response:
-        if not self.engine.alive:
-            return web.json_response({"status": "engine thread is not running"}, status=503)
+        """200 while the server takes work; 503 when draining or when the engine core is gone."""
+        if self.fatal is not None or not self.engine.alive:
+            why = self.fatal or self.engine.dead_reason or "the engine core is not running"
+            return web.json_response({"status": "engine_dead", "detail": why}, status=503,
+                                     headers={DRAINING_HEADER: "1"})
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503,
+                                     headers={"Retry-After": str(RETRY_AFTER_S), DRAINING_HEADER: "1"})
         return web.json_response({"status": "ok"})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        from tokenmill.server.openapi import openapi_spec
+
+        return web.json_response(openapi_spec(self.model_names, self.api_key is not None))
 
     async def prometheus(self, request: web.Request) -> web.Response:
         body = self.metrics.render()
@@ -279,6 +330,8 @@ class OpenAIServer:
             "kv_capacity_tokens": self.kv_capacity_tokens, "num_pending": self.engine.num_pending(),
             "num_in_flight": self.engine.num_in_flight(), "engine_errors": self.engine.error_count,
             "engine_step_seconds": self.engine.step_seconds, "stats": stats,
+            "engine_core_pid": getattr(self.engine.engine, "pid", None), "draining": self.draining,
+            "core_results": self.engine.num_results, "core_frames_sent": self.engine.frames_sent,
         })
 
     # -- middlewares ------------------------------------------------------------------------------
@@ -347,8 +400,9 @@ def create_app(engine, *, api_key: str | None = None, served_model_names: list[s
                max_pending: int = 4096, enable_prefix_caching: bool = True,
                stream_interval: int = 1, admission: ServerAdmissionConfig | None = None,
                step_budget=None) -> web.Application:
-    """An aiohttp app serving `engine` (an LLMEngine or anything with its interface). The engine thread
-    starts with the app and stops at its cleanup. `admission`: the SLO classes and admission policy
+    """An aiohttp app serving `engine`: a started EngineProcess (the core in its own process), or an LLMEngine
+    or anything with its interface (run in a thread). The engine core's loop starts with the app and stops
+    at its cleanup. `admission`: the SLO classes and admission policy
     (default: the router's default classes, leading-indicator admission)."""
     names = list(served_model_names or [engine.model_name])
     holder: dict = {}
@@ -358,13 +412,14 @@ def create_app(engine, *, api_key: str | None = None, served_model_names: list[s
     gate = ServerAdmission(engine, admission or ServerAdmissionConfig())
     async_engine = holder["engine"] = AsyncEngine(engine, metrics, max_pending=max_pending,
                                                   stream_interval=stream_interval, step_budget=step_budget,
-                                                  on_progress=gate.progress)
+                                                  on_progress=gate.progress,
+                                                  on_core_exit=lambda msg: server.core_died(msg))
     server = OpenAIServer(async_engine, metrics, names, api_key, getattr(engine, "kv_capacity_tokens", None), gate)
     app = web.Application(middlewares=[server.errors, server.auth], client_max_size=MAX_BODY_BYTES)
     app[SERVER_KEY] = server
 
     async def start(_app):
-        async_engine.start()
+        await async_engine.start()
         await gate.start()
 
     async def stop(_app):
@@ -380,6 +435,7 @@ def create_app(engine, *, api_key: str | None = None, served_model_names: list[s
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", server.prometheus)
     app.router.add_get("/tokenmill/state", server.state)
+    app.router.add_get("/openapi.json", server.openapi)
     return app
 
 
@@ -387,23 +443,64 @@ SERVER_KEY = web.AppKey("tokenmill_server", OpenAIServer)
 
 
 async def serve(app: web.Application, host: str, port: int, on_ready: Callable[[str], None] | None = None,
-                stop: asyncio.Event | None = None) -> None:
-    """Run `app` until SIGINT/SIGTERM (or `stop` is set). Client disconnects cancel their handlers."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+                stop: asyncio.Event | None = None, drain_timeout: float = 30.0) -> int:
+    """Run `app` until SIGINT/SIGTERM (or `stop` is set), then drain (module docstring). Client disconnects
+    cancel their handlers. Returns the exit code: 0 after a drain, 1 if the engine core died."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
     bound_host, bound_port = runner.addresses[0][:2]
-    if on_ready:
-        on_ready(f"http://{bound_host}:{bound_port}")
+    server = app.get(SERVER_KEY)
     stop = stop or asyncio.Event()
+    force = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            force.set()  # a second signal: stop now
+        stop.set()
+
+    if server is not None:
+        server.on_fatal = force.set
+        if server.fatal is not None:
+            force.set()
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
             pass
+    if on_ready:
+        on_ready(f"http://{bound_host}:{bound_port}")
     try:
-        await stop.wait()
+        await _first(stop.wait(), force.wait())
+        if server is not None and server.fatal is None and not force.is_set():
+            server.draining = True
+            log.warning("draining: %d request(s) in flight, up to %.0f s", server.num_active, drain_timeout)
+            try:
+                await asyncio.wait_for(_first(server.idle.wait(), force.wait()), drain_timeout)
+            except asyncio.TimeoutError:
+                log.warning("drain timeout: %d request(s) still in flight end with an error", server.num_active)
+            if server.num_active:
+                server.engine.fail_all("the server is shutting down (drain timeout)")
+                await asyncio.wait_for(server.idle.wait(), 5.0)
+    except asyncio.TimeoutError:
+        pass
     finally:
         await runner.cleanup()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.remove_signal_handler(sig)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass
+    return 1 if server is not None and server.fatal is not None else 0
+
+
+async def _first(*aws) -> None:
+    """Wait until the first of `aws` completes; cancel the others."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -1,22 +1,26 @@
-"""AsyncEngine: the synchronous LLMEngine in its own thread, driven from an asyncio event loop.
+"""AsyncEngine: the server's front-end to the engine core, driven from an asyncio event loop.
 
-    engine thread:  wait for work -> apply commands (add / abort) -> step() -> post outputs to the loop
-    event loop:     add() queues a command and awaits its result; outputs arrive in per-request queues
+    core (process or thread):  wait for work -> apply commands (adds / aborts) -> step() -> one StepResult
+    event loop:                add() sends a command and awaits its result; each StepResult is turned into
+                               per-request outputs (queues), latency metrics and admission progress
 
-The engine is touched by the engine thread only. Commands go in through a deque guarded by a condition
-(the thread sleeps on it when idle: no busy spin); outputs come back through `loop.call_soon_threadsafe`,
-at most one call per step, and only when a streaming request progressed or a request finished: a
-non-streaming request costs the event loop nothing until it is done (every thread hand-off of the GIL
-costs the engine time on a loaded machine).
+The core is server/engine_core.py's EngineCore. Two transports, one front-end:
+- process (`tokenmill serve`'s default; `engine` is an EngineProcess): commands leave as one frame per
+  event-loop iteration over a socketpair, StepResults come back one frame per step and are read by the
+  event loop itself (asyncio streams: no thread, no GIL hand-off). If the core process dies, every request
+  in flight ends with EngineError, `alive` turns False and `on_core_exit` is called (the server exits
+  non-zero).
+- thread (`--engine-process off`, and tests over a fake engine; `engine` is an LLMEngine or anything with
+  its interface): the core runs in a thread; commands go in through a deque guarded by a condition (the
+  thread sleeps on it when idle), each StepResult comes back through `loop.call_soon_threadsafe`.
 
-Latencies (TTFT, inter-token, end-to-end) are measured in the engine thread right after each step, from
-the request's arrival at the server; the engine itself has no clock. The thread passes `now`
-(time.perf_counter, the clock of the TTFT deadlines given to `add`) to each step, and a token budget sized
-by the step-time model (engine/step_budget.py) to the tightest TPOT SLO among the requests decoding.
+Latencies (TTFT, inter-token, end-to-end) are measured from the request's arrival at the server to the
+step's end time the core reports (time.perf_counter: CLOCK_MONOTONIC, one clock for both processes; the
+engine itself has no clock). The core sizes each step's token budget with the step-time model
+(engine/step_budget.py) to the tightest TPOT SLO among the requests decoding.
 
 `on_progress(first_token_ids, finished)` (optional) is called in the event loop once per step that had a
-first token or a finish (with the outputs of that step): how the server's admission control learns
-without a call per token.
+first token or a finish: how the server's admission control learns without a call per token.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from tokenmill.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.step_budget import StepBudget
 from tokenmill.errors import EngineOverloadedError
+from tokenmill.server.engine_core import (
+    _HEADER, AbortCmd, AddCmd, EngineCore, StepResult, StopCmd, frame,
+)
 
 log = logging.getLogger("tokenmill.server")
 
@@ -99,7 +106,7 @@ class RequestStream:
 
 @dataclass
 class _Track:
-    """Engine-thread state of one request: timing for the metrics, logprobs of a collected request."""
+    """Front-end state of one request: timing for the metrics, logprobs of a collected request."""
 
     arrival: float  # perf_counter seconds, when the server received it
     max_tokens: int
@@ -114,91 +121,120 @@ class _Track:
 
 
 @dataclass
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    track: _Track
-    future: asyncio.Future
-    ttft_deadline: float | None = None  # time.perf_counter() clock
-    tpot_slo_s: float | None = None
-    rank: int = 0
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
 class _Shared:
-    """State both threads touch, guarded by `cond`."""
+    """Thread transport: state both threads touch, guarded by `cond`."""
 
     cond: threading.Condition = field(default_factory=threading.Condition)
     commands: deque = field(default_factory=deque)
     stopping: bool = False
+    adds_taken: int = 0  # adds the thread took off `commands` (the loop counts those it put there)
 
 
 class AsyncEngine:
-    """Wraps an LLMEngine (or anything with its interface). Start with `start()` from inside the loop."""
+    """Wraps an EngineProcess (process transport) or an engine object (thread transport). Start with
+    `await start()` from inside the loop."""
 
     def __init__(self, engine, metrics=None, max_pending: int = 4096, stream_interval: int = 1,
-                 step_budget: StepBudget | None = None, on_progress=None):
+                 step_budget: StepBudget | None = None, on_progress=None, on_core_exit=None):
         self.engine = engine
-        self.step_budget = step_budget or StepBudget()
+        self.in_process = getattr(engine, "in_process", True)  # False: an EngineProcess
+        self.step_budget = step_budget or StepBudget()  # thread transport (a core process has its own)
         self.on_progress = on_progress  # (first_token_ids, [(request_id, tokens generated)]) in the loop
-        self.metrics = metrics  # ServerMetrics or None; thread-safe (prometheus_client)
-        self.max_pending = max_pending  # adds queued for the engine thread at most (beyond: overloaded)
+        self.on_core_exit = on_core_exit  # (message) in the loop, once, if the core dies
+        self.metrics = metrics  # ServerMetrics or None
+        self.max_pending = max_pending  # adds sent to the core and not yet applied, at most (beyond: overloaded)
         self.stream_interval = max(1, stream_interval)  # streaming: send every N tokens (first and last at once)
         self.model_name: str = engine.model_name
         self.max_model_len: int = engine.max_model_len
         self.tokenizer = engine.tokenizer
-        self._shared = _Shared()
-        self._streams: dict[str, RequestStream] = {}  # loop side: requests in flight
-        self._pending_adds = 0  # loop side: adds not yet applied by the engine thread
-        self._live: dict[str, _Track] = {}  # engine thread side: requests added and not finished
-        self._stats: EngineStats | None = None  # written by the engine thread, read anywhere (atomic swap)
-        self._thread: threading.Thread | None = None
+        self.vocab_size: int | None = getattr(getattr(engine, "model_config", None), "vocab_size", None) or getattr(
+            engine, "vocab_size", None) or getattr(engine.tokenizer, "vocab_size", None)  # checked before hashing
+        self._streams: dict[str, RequestStream] = {}  # requests in flight
+        self._adding: dict[str, asyncio.Future] = {}  # adds sent, their result not back yet
+        self._live: dict[str, _Track] = {}  # requests added and not finished (metrics)
+        self._stats: EngineStats | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: str | None = None  # why the core is gone
+        self._stopping = False
         self.error_count = 0
-        self.step_seconds = 0.0  # engine thread: wall time inside engine.step(), cumulative
+        self.step_seconds = 0.0  # wall time inside engine.step(), cumulative
+        self.num_results = 0  # StepResults received
+        self._adds_sent = 0
+        self.frames_sent = 0  # process transport: command frames written
+        # thread transport
+        self._shared = _Shared()
+        self._thread: threading.Thread | None = None
+        # process transport
+        self._outbox: list = []
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def start(self) -> None:
-        _share_malloc_arena()
+    async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._stats = self.engine.stats()
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
-        self._thread.start()
+        if self.in_process:
+            _share_malloc_arena()
+            self._stats = self.engine.stats()
+            core = EngineCore(self.engine, self.step_budget)
+            self._thread = threading.Thread(target=self._run_thread, args=(core,), name="tokenmill-engine",
+                                            daemon=True)
+            self._thread.start()
+            return
+        self._stats = self.engine.hello.stats
+        reader, self._writer = await asyncio.open_connection(sock=self.engine.sock)
+        self._reader_task = asyncio.create_task(self._read_results(reader))
 
     async def shutdown(self) -> None:
-        with self._shared.cond:
-            self._shared.stopping = True
-            self._shared.cond.notify()
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
-        self._fail(list(self._streams), "the server is shutting down")
+        """Stop the core (aborting what is left) and fail the requests still in flight."""
+        self._stopping = True
+        if self.in_process:
+            with self._shared.cond:
+                self._shared.stopping = True
+                self._shared.cond.notify()
+            if self._thread is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+        else:
+            if self._dead is None and self._writer is not None:
+                try:
+                    self._writer.write(frame([StopCmd()]))
+                    await self._writer.drain()
+                except (ConnectionError, OSError):
+                    pass
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.wait, 30)
+            if self._reader_task is not None:
+                self._reader_task.cancel()
+            if self._writer is not None:
+                self._writer.close()
+            self.engine.close()
+        self.fail_all("the server is shutting down")
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        if self.in_process:
+            return self._thread is not None and self._thread.is_alive()
+        return self._dead is None and self._reader_task is not None and not self._reader_task.done()
 
-    # -- loop side --------------------------------------------------------------------------------
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
+    # -- requests ---------------------------------------------------------------------------------
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                   priority: int = 0, collect: bool = False, ttft_deadline: float | None = None,
                   tpot_slo_s: float | None = None, rank: int = 0) -> RequestStream:
-        """Hand a request to the engine. Raises InvalidRequestError / EngineOverloadedError from add_request;
-        cancelling the caller while it waits aborts the request. With `collect`, the stream yields only the
-        final output (new_text: the whole text; new_logprobs: every token's). `ttft_deadline` is on the
-        time.perf_counter() clock."""
-        if self._pending_adds >= self.max_pending:
-            raise EngineOverloadedError(f"{self._pending_adds} requests are already queued; retry later")
+        """Hand a request to the engine. Raises InvalidRequestError / EngineOverloadedError from add_request,
+        EngineError if the core is gone; cancelling the caller while it waits aborts the request. With
+        `collect`, the stream yields only the final output (new_text: the whole text; new_logprobs: every
+        token's). `ttft_deadline` is on the time.perf_counter() clock."""
+        if self._dead is not None:
+            raise EngineError(self._dead)
+        if self.num_pending() >= self.max_pending:
+            raise EngineOverloadedError(f"{self.num_pending()} requests are already queued; retry later")
         stream = self._streams[request_id] = RequestStream(request_id)
-        track = _Track(time.perf_counter(), params.max_tokens, len(prompt_token_ids), collect)
-        future = self._loop.create_future()
-        self._pending_adds += 1
-        self._send(_Add(request_id, prompt_token_ids, params, priority, track, future, ttft_deadline, tpot_slo_s, rank))
+        self._live[request_id] = _Track(time.perf_counter(), params.max_tokens, len(prompt_token_ids), collect)
+        future = self._adding[request_id] = self._loop.create_future()
+        self._adds_sent += 1
+        self._send(AddCmd(request_id, prompt_token_ids, params, priority, ttft_deadline, tpot_slo_s, rank))
         try:
             await future
         except asyncio.CancelledError:
@@ -212,10 +248,17 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request in flight (client gone): its KV blocks are freed before the next step."""
         if self._streams.pop(request_id, None) is not None:
-            self._send(_Abort(request_id))
+            if request_id in self._live:
+                self._finished(request_id, "abort", time.perf_counter())
+            if self._dead is None:
+                self._send(AbortCmd(request_id))
 
     def num_pending(self) -> int:
-        return self._pending_adds
+        """Adds not yet applied by the core (process transport: not yet reported applied, so those of the
+        step running now count too)."""
+        if self.in_process:
+            return self._adds_sent - self._shared.adds_taken
+        return len(self._adding)
 
     def num_in_flight(self) -> int:
         return len(self._streams)
@@ -223,108 +266,72 @@ class AsyncEngine:
     def stats(self) -> EngineStats | None:
         return self._stats
 
+    def fail_all(self, message: str) -> None:
+        """End every request in flight with EngineError(message) (shutdown, drain timeout, core death)."""
+        rids = set(self._streams) | set(self._adding)
+        for rid, fut in list(self._adding.items()):
+            if not fut.done():
+                fut.set_exception(EngineError(message))
+        self._adding.clear()
+        now = time.perf_counter()
+        for rid in list(self._live):
+            self._finished(rid, "abort" if self._dead is None else "error", now)
+        self._fail(list(self._streams), message)
+        if self._dead is None and not self._stopping:
+            for rid in rids:
+                self._send(AbortCmd(rid))
+
     def _send(self, cmd) -> None:
-        with self._shared.cond:
-            self._shared.commands.append(cmd)
-            self._shared.cond.notify()
-
-    def _add_done(self, future: asyncio.Future, error: BaseException | None) -> None:
-        self._pending_adds -= 1
-        if future.done():  # the caller was cancelled; its abort follows the add in the command queue
-            return
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
-
-    def _deliver(self, outputs: list[RequestOutput], firsts: list[str] = (),
-                 finished: list[tuple[str, int]] = ()) -> None:
-        if (firsts or finished) and self.on_progress is not None:
-            try:
-                self.on_progress(firsts, finished)
-            except Exception:  # noqa: BLE001 - bookkeeping must not stop the outputs
-                log.exception("on_progress failed")
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:  # aborted by the client meanwhile
-                continue
-            stream._put(out)
-            if out.finished:
-                del self._streams[out.request_id]
-
-    def _fail(self, request_ids: list[str], message: str) -> None:
-        for rid in request_ids:
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
-                stream._put(EngineError(message))
-
-    # -- engine thread ----------------------------------------------------------------------------
-    def _run(self) -> None:
-        busy = False
-        while True:
+        if self.in_process:
             with self._shared.cond:
-                while not busy and not self._shared.commands and not self._shared.stopping:
-                    self._shared.cond.wait()
-                if self._shared.stopping:
-                    break
-                commands, self._shared.commands = self._shared.commands, deque()
-            try:
-                for cmd in commands:
-                    self._apply(cmd)
-                busy = self.engine.has_unfinished_requests()
-                if busy:
-                    self._step()
-                    busy = self.engine.has_unfinished_requests()
-                else:
-                    self._stats = self.engine.stats()
-            except Exception:  # noqa: BLE001 - keep the thread alive; _step handles step() itself
-                log.exception("engine thread: unexpected error")
-                busy = False
-        self._abort_all("abort")
-
-    def _apply(self, cmd) -> None:
-        if isinstance(cmd, _Abort):
-            if cmd.request_id in self._live:
-                self.engine.abort_request(cmd.request_id)
-                self._finished(cmd.request_id, "abort", time.perf_counter())
+                self._shared.commands.append(cmd)
+                self._shared.cond.notify()
             return
-        error = None
-        try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.priority,
-                                    ttft_deadline=cmd.ttft_deadline, tpot_slo_s=cmd.tpot_slo_s, rank=cmd.rank)
-            self._live[cmd.request_id] = cmd.track
-        except Exception as e:  # noqa: BLE001 - InvalidRequestError / EngineOverloadedError / anything: to caller
-            error = e
-        self._loop.call_soon_threadsafe(self._add_done, cmd.future, error)
+        if not self._outbox:
+            self._loop.call_soon(self._flush)  # everything issued in this loop iteration: one frame
+        self._outbox.append(cmd)
 
-    def _step(self) -> None:
-        eng = self.engine
-        budget = self.step_budget.token_budget(eng.num_decoding(), eng.tightest_tpot_slo_s(),
-                                               eng.config.max_num_batched_tokens)
-        t0 = time.perf_counter()
-        try:
-            outputs = eng.step(now=t0, token_budget=budget)
-        except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
-            log.exception("engine.step() failed; failing %d request(s) in flight", len(self._live))
+    def _flush(self) -> None:
+        cmds, self._outbox = self._outbox, []
+        if cmds and self._dead is None:
+            self._writer.write(frame(cmds))
+            self.frames_sent += 1
+
+    # -- results ----------------------------------------------------------------------------------
+    def _on_result(self, res: StepResult) -> None:
+        """One StepResult, in the loop: add results, outputs to their streams, metrics, admission progress."""
+        self.num_results += 1
+        for rid, err in res.added:
+            fut = self._adding.pop(rid, None)
+            if fut is None or fut.done():  # the caller was cancelled; its abort followed the add
+                continue
+            if err is None:
+                fut.set_result(None)
+            else:
+                self._live.pop(rid, None)
+                fut.set_exception(err.exception())
+        if res.stats is not None:
+            self._stats = res.stats
+        if not res.stepped:
+            return
+        now = res.t1
+        self.step_seconds += res.t1 - res.t0
+        if res.failed:
             self.error_count += 1
-            failed = self._abort_all("error")
-            self._loop.call_soon_threadsafe(self._fail, failed, f"engine error: {type(e).__name__}: {e}")
             if self.metrics:
                 self.metrics.engine_errors.inc()
-            return
-        finally:
-            now = time.perf_counter()
-            self.step_seconds += now - t0
-        self.step_budget.observe(eng.last_step_decodes, eng.last_step_prefill_tokens, now - t0)
-        for rid in self.engine.last_first_scheduled:  # scheduled at the start of the step
+            for rid in res.failed:
+                if rid in self._live:
+                    self._finished(rid, "error", now)
+            self._fail(res.failed, res.fail_message or "engine error")
+        for rid in res.first_scheduled:  # scheduled at the start of the step
             track = self._live.get(rid)
             if track is not None and track.scheduled_at is None:
-                track.scheduled_at = t0
-        self._stats = self.engine.stats()  # before the outputs reach clients: their counters include this step
+                track.scheduled_at = res.t0
         deliver, firsts, finished = [], [], []
-        for out in outputs:
+        for out in res.outputs:
             track = self._live.get(out.request_id)
-            if track is None:
+            if track is None:  # aborted meanwhile
                 continue
             if track.first_token_at is None and out.new_token_ids:
                 firsts.append(out.request_id)
@@ -342,8 +349,24 @@ class AsyncEngine:
                     deliver.append(replace(out, new_text=out.text, new_logprobs=track.logprobs or None))
                 finished.append((out.request_id, track.num_generated))
                 self._finished(out.request_id, out.finish_reason or "stop", now)
-        if deliver or (self.on_progress is not None and (firsts or finished)):
-            self._loop.call_soon_threadsafe(self._deliver, deliver, firsts, finished)
+        if (firsts or finished) and self.on_progress is not None:
+            try:
+                self.on_progress(firsts, finished)
+            except Exception:  # noqa: BLE001 - bookkeeping must not stop the outputs
+                log.exception("on_progress failed")
+        for out in deliver:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream._put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail(self, request_ids: list[str], message: str) -> None:
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._put(EngineError(message))
 
     def _observe_tokens(self, track: _Track, n: int, now: float) -> None:
         if not n:
@@ -365,13 +388,56 @@ class AsyncEngine:
                                           track.num_generated, track.max_tokens, decode_s)
             self.metrics.observe_phases(track.arrival, track.scheduled_at, track.first_token_at, now)
 
-    def _abort_all(self, reason: str) -> list[str]:
-        rids = list(self._live)
-        now = time.perf_counter()
-        for rid in rids:
+    # -- process transport ------------------------------------------------------------------------
+    async def _read_results(self, reader: asyncio.StreamReader) -> None:
+        import pickle
+
+        why = None
+        try:
+            while True:
+                head = await reader.readexactly(_HEADER.size)
+                res = pickle.loads(await reader.readexactly(_HEADER.unpack(head)[0]))
+                if res.kv_events:
+                    self.engine.mirror.apply(res.kv_events)
+                self._on_result(res)
+        except asyncio.CancelledError:
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
+            why = type(e).__name__
+        except Exception as e:  # noqa: BLE001 - a frame we cannot read: the core is unusable
+            log.exception("bad frame from the engine core")
+            why = f"{type(e).__name__}: {e}"
+        if self._stopping:
+            return
+        code = await asyncio.get_running_loop().run_in_executor(None, self.engine.wait, 5)
+        self._core_died(f"the engine core process exited (code {code}, {why})")
+
+    def _core_died(self, message: str) -> None:
+        log.error("%s; failing %d request(s) in flight", message, len(self._streams) + len(self._adding))
+        self._dead = message
+        self.fail_all(message)
+        if self.metrics:
+            self.metrics.engine_errors.inc()
+        if self.on_core_exit is not None:
+            self.on_core_exit(message)
+
+    # -- thread transport -------------------------------------------------------------------------
+    def _run_thread(self, core: EngineCore) -> None:
+        busy = False
+        while True:
+            with self._shared.cond:
+                while not busy and not self._shared.commands and not self._shared.stopping:
+                    self._shared.cond.wait()
+                if self._shared.stopping:
+                    break
+                commands, self._shared.commands = self._shared.commands, deque()
+                self._shared.adds_taken += sum(1 for c in commands if isinstance(c, AddCmd))
             try:
-                self.engine.abort_request(rid)
-            except Exception:  # noqa: BLE001 - best effort after a failure
-                log.exception("abort_request(%s) failed", rid)
-            self._finished(rid, reason, now)
-        return rids
+                res = core.run_once(commands)
+            except Exception:  # noqa: BLE001 - keep the thread alive; run_once handles step() itself
+                log.exception("engine thread: unexpected error")
+                busy = False
+                continue
+            busy = res.busy
+            self._loop.call_soon_threadsafe(self._on_result, res)
+        core.abort_all()

@@ -5,6 +5,12 @@
     TOKENMILL_API_KEY=secret tokenmill serve         # /v1/* then requires "Authorization: Bearer secret"
     tokenmill serve --slo agent:ttft=2000,tpot=250   # admission control: refuse (429) what would miss its SLO
     tokenmill serve --admission off                  # behind `tokenmill route` (the router admits), or to compare
+    tokenmill serve --drain-timeout 60               # SIGTERM: 503 to new requests, in-flight ones get 60 s
+
+The engine core (scheduler, model runner, KV cache) runs in its own process (--engine-process on); this
+process does HTTP, tokenization, admission and streaming. SIGTERM drains (503 + Retry-After to new
+requests, /health unready, in-flight requests finish, exit 0); if the engine core dies, in-flight requests
+end with an error and the server exits 1.
 
 Admission control (tokenmill/server/admission.py): each request belongs to a workload class (header
 x-tokenmill-class or body field "workload_class", else --default-class) with TTFT/TPOT SLOs; a request
@@ -47,6 +53,12 @@ def add_parser(sub) -> None:
                                     for c in _default_classes()))
     p.add_argument("--default-class", default="interactive",
                    help="class of requests that name none (default: %(default)s)")
+    p.add_argument("--engine-process", default="on", choices=["on", "off"],
+                   help="on: the engine core in its own process (no GIL shared with HTTP); off: in a thread of "
+                        "the server (default: %(default)s)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, how long in-flight requests may run before they are ended "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -91,7 +103,6 @@ def admission_config_from_args(args):
 def run(args) -> int:
     from tokenmill.cli import CLIError
     from tokenmill.engine.cli import engine_config_from_args
-    from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.errors import TokenmillError
     from tokenmill.server.app import create_app, serve
 
@@ -107,7 +118,17 @@ def run(args) -> int:
     except TokenmillError as e:
         raise CLIError(str(e)) from None
     admission = admission_config_from_args(args)
-    engine = LLMEngine(config)  # ModelLoadError: printed as one line by tokenmill.cli
+    if not args.drain_timeout >= 0:
+        raise CLIError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    if args.engine_process == "on":
+        from tokenmill.server.engine_process import EngineProcess
+
+        engine = EngineProcess(config, log_level=args.log_level.upper())
+        engine.start()  # ModelLoadError (the core's message): printed as one line by tokenmill.cli
+    else:
+        from tokenmill.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config)  # ModelLoadError: printed as one line by tokenmill.cli
     names = args.served_model_name or [engine.model_name]
     alias = os.path.basename(os.path.normpath(args.model))
     if not args.served_model_name and alias not in names:  # a directory: its name works too
@@ -125,8 +146,15 @@ def run(args) -> int:
               f"{slos})", flush=True)
 
     try:
-        asyncio.run(serve(app, args.host, args.port, ready))
+        code = asyncio.run(serve(app, args.host, args.port, ready, drain_timeout=args.drain_timeout))
     except OSError as e:  # address in use, permission denied
         raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    finally:
+        if hasattr(engine, "close"):  # the core process, if the server never started
+            engine.close()
+    if code:
+        print("tokenmill serve: stopped: the engine core process died (see the log above); exit 1",
+              file=sys.stderr, flush=True)
+        return code
     print("tokenmill serve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -3,6 +3,10 @@
 A block is live while ref_cnt > 0 (owned by one or more requests: shared prefix blocks are read-only
 and have one reference per request). Free blocks sit in an LRU queue; a free block may still hold a
 cached prefix (its hash stays in `cached`) until it is handed out again, which evicts it.
+
+KV events (off unless `events` is a list): every change to the prefix cache is appended in order, a stored
+block as its hash (>= 0), an evicted one as ~hash (< 0). The engine core process ships them to the
+server's front-end once per step, which mirrors the set of cached hashes (server/prefix_mirror.py).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # front: evict first
         self.cached: dict[int, KVBlock] = {}  # block hash -> block
         self.num_evictions = 0
+        self.events: list[int] | None = None  # KV events, when the owner collects them
 
     @property
     def num_free(self) -> int:
@@ -61,6 +66,8 @@ class BlockPool:
             if b.block_hash is not None:  # evict its cached content
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
+                    if self.events is not None:
+                        self.events.append(~b.block_hash)
                 b.block_hash, b.token_ids = None, None
                 self.num_evictions += 1
             b.ref_cnt = 1
@@ -86,6 +93,8 @@ class BlockPool:
             return
         b.block_hash, b.token_ids = block_hash, tuple(token_ids)
         self.cached[block_hash] = b
+        if self.events is not None:
+            self.events.append(block_hash)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no request holds; returns how many."""
@@ -93,6 +102,8 @@ class BlockPool:
         for b in self.blocks:
             if b.ref_cnt == 0 and b.block_hash is not None:
                 del self.cached[b.block_hash]
+                if self.events is not None:
+                    self.events.append(~b.block_hash)
                 b.block_hash, b.token_ids = None, None
                 n += 1
         return n
