@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import openai
@@ -46,6 +47,22 @@ def tier_metric(p, name, tier):
                if s.name == name and s.labels.get("tier") == tier)
 
 
+def engine_metric(p, name):
+    text = urllib.request.urlopen(p.url + "/metrics", timeout=10).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+def wait_written(p, min_stores=1, timeout_s=10.0):
+    """Until p's tier writer has no block queued (and has stored at least min_stores blocks)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (engine_metric(p, "tokenmill_kv_tier_pending_writes") == 0
+                and tier_metric(p, "tokenmill_kv_tier_stores_total", "host") >= min_stores):
+            return
+        time.sleep(0.02)
+    raise AssertionError("the tier writes were not done in time")
+
+
 def complete(p, prompt):
     r = p.client.completions.create(model=p.client.models.list().data[0].id, prompt=prompt, max_tokens=8,
                                     temperature=0, extra_body={"ignore_eos": True})
@@ -61,11 +78,14 @@ def test_two_servers_share_tiers_and_survive_corruption(tiny_dir, tmp_path):
         b = serve(tiny_dir, host, disk)
         text_a, cached_a, n = complete(a, PROMPT)
         assert cached_a == 0
+        wait_written(a)  # write-through runs on a's writer thread: b can hit once the queue is empty
         text_b, cached_b, _ = complete(b, PROMPT)  # b's pool has never seen it: the shared tier has
         assert text_b == text_a and cached_b == (n - 1) // 16 * 16 > 0
         assert tier_metric(b, "tokenmill_kv_tier_hits_total", "host") > 0
 
         ref, _, _ = complete(a, PROMPT + "# more\n")
+        wait_written(a)
+        wait_written(b, min_stores=0)
         for d in (host, disk):  # every stored block damaged: each is a miss, recomputed
             for f in os.listdir(d):
                 if f.endswith(".kv"):

@@ -241,10 +241,13 @@ class _EOF(Exception):
     pass
 
 
-def _read_commands(sock: socket.socket, block: bool) -> list:
-    """Every command frame that has arrived (waiting for one when `block`); raises _EOF."""
+IDLE_STATS_S = 0.25  # an idle core sends its stats again after this long, when they changed
+
+
+def _read_commands(sock: socket.socket, timeout: float | None) -> list:
+    """Every command frame that has arrived (waiting up to `timeout` s for the first; None: forever);
+    raises _EOF."""
     cmds: list = []
-    timeout = None if block else 0.0
     while True:
         ready, _, _ = select.select([sock], [], [], timeout)
         if not ready:
@@ -284,15 +287,23 @@ def serve_core(sock: socket.socket) -> int:
                                  engine.stats())))
     core = EngineCore(engine, StepBudget(setup.step_budget), slim_outputs=True, kv_events=setup.kv_events)
     busy = False
+    sent_stats = None
     try:
         while True:
-            cmds = _read_commands(sock, block=not busy)
+            cmds = _read_commands(sock, 0.0 if busy else IDLE_STATS_S)
             if any(isinstance(c, StopCmd) for c in cmds):
                 core.abort_all()
                 return 0
+            if not cmds and not busy:  # idle: work beside the steps (KV tier writes) still moves the stats
+                stats = engine.stats()
+                if stats != sent_stats:
+                    sock.sendall(frame(StepResult(stats=stats)))
+                    sent_stats = stats
+                continue
             res = core.run_once(cmds)
             busy = res.busy
             sock.sendall(frame(res))
+            sent_stats = res.stats
     except (_EOF, BrokenPipeError, ConnectionResetError):
         log.warning("the server front-end went away; the engine core stops")
         return 0

@@ -90,7 +90,7 @@ class SpecDecoder:
                 st.num_k_switches += 1
             self.prev_k[r.request_id] = k
             if explore and (k or not self.proposer.has_kv):  # not recorded as the previous k: the plan is unchanged
-                k = min(caps[i], max(0, k + explore))  # (a draft model is not woken from 0: that costs a catch-up)
+                k = min(caps[i], self.policy.k_max, max(0, k + explore))  # (a draft model is not woken from 0: that costs a catch-up)
             if k:
                 plan[r.request_id] = k
         return plan
@@ -138,9 +138,10 @@ class SpecDecoder:
             st.num_drafts += 1
             st.num_draft_tokens += len(drafts)
             st.num_accepted_tokens += a
+            if a > len(st.accepted_per_pos):
+                st.accepted_per_pos.extend([0] * (a - len(st.accepted_per_pos)))
             for j in range(a):
-                if j < len(st.accepted_per_pos):
-                    st.accepted_per_pos[j] += 1
+                st.accepted_per_pos[j] += 1
             self.acceptance.observe(req.request_id, len(drafts), a)
         return toks, a
 
