@@ -79,15 +79,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"max rate with SLO attainment >= {100 * cfg.sweep.target:.0f}%: {result.sweep.max_rate:.3g} req/s "
               f"({len(result.runs)} trials)")
     if best is not None:
-        s = best.summary
-        print(f"{best.label}: {s.completed}/{s.requests} completed, {s.rejected} rejected, {s.failed} failed; "
-              f"goodput {s.goodput:.2f} req/s ({s.goodput_output_throughput:.1f} tok/s), "
-              f"attainment {100 * (s.slo_attainment or 0):.1f}%, throughput {s.request_throughput:.2f} req/s")
-        if s.ttft_ms:
-            tpot = f"{s.tpot_ms.p50:.1f}/{s.tpot_ms.p99:.1f}" if s.tpot_ms else "-"
-            print(f"TTFT p50/p99 {s.ttft_ms.p50:.1f}/{s.ttft_ms.p99:.1f} ms, TPOT p50/p99 {tpot} ms")
+        print_run(best)
     for warning in result.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     print(f"wrote {cfg.out}/result.json, {cfg.out}/summary.md")
     completed = sum(r.summary.completed for r in result.runs)
     return 0 if completed else 1
+
+
+def print_run(run) -> None:
+    """Two lines on one run: counts, goodput and attainment; TTFT / TPOT percentiles (bench and sim)."""
+    s = run.summary
+    print(f"{run.label}: {s.completed}/{s.requests} completed, {s.rejected} rejected, {s.failed} failed; "
+          f"goodput {s.goodput:.2f} req/s ({s.goodput_output_throughput:.1f} tok/s), "
+          f"attainment {100 * (s.slo_attainment or 0):.1f}%, throughput {s.request_throughput:.2f} req/s")
+    if s.ttft_ms:
+        tpot = f"{s.tpot_ms.p50:.1f}/{s.tpot_ms.p99:.1f}" if s.tpot_ms else "-"
+        print(f"TTFT p50/p99 {s.ttft_ms.p50:.1f}/{s.ttft_ms.p99:.1f} ms, TPOT p50/p99 {tpot} ms")

@@ -29,6 +29,7 @@ from typing import Awaitable, Callable
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 
+from tokenmill.router.background import BackgroundLoop
 from tokenmill.router.worker_state import WORKER_KINDS, WorkerSpec
 
 log = logging.getLogger("tokenmill.router")
@@ -98,7 +99,7 @@ def plan(owned: dict[str, DnsTarget], answers: dict[DnsTarget, list[str] | None]
     return {u: want[u] for u in sorted(set(want) - set(owned))}, sorted(set(owned) - set(want))
 
 
-class WorkerDiscovery:
+class WorkerDiscovery(BackgroundLoop):
     """Keeps the router's pool equal to the static workers plus what the DNS targets resolve to."""
 
     def __init__(self, router, targets: tuple[DnsTarget, ...], resolver: Resolver = dns_resolver,
@@ -109,19 +110,10 @@ class WorkerDiscovery:
         self.probe = probe  # HealthChecker.check: a joining worker is probed at once, not one interval later
         self.owned: dict[str, DnsTarget] = {}  # URL -> the target it came from
         self.rounds = 0  # completed resolution rounds (the EPP is ready after the first)
-        self._task: asyncio.Task | None = None
         r = router.metrics.registry
         self.events = Counter("tokenmill_router_discovery_events", "Workers discovery added (join) or drained "
                               "(leave), and failed lookups (error), per DNS target", ["target", "event"], registry=r)
         r.register(_DiscoveryCollector(self))
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
         while True:

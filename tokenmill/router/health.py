@@ -13,6 +13,7 @@ import logging
 
 import aiohttp
 
+from tokenmill.router.background import BackgroundLoop
 from tokenmill.router.router import Router
 from tokenmill.router.worker_metrics import parse_worker_metrics
 from tokenmill.router.worker_state import WorkerState
@@ -22,19 +23,10 @@ DRAINING_HEADER = "x-tokenmill-draining"  # tokenmill serve sets it on its 503s 
 log = logging.getLogger("tokenmill.router")
 
 
-class HealthChecker:
+class HealthChecker(BackgroundLoop):
     def __init__(self, router: Router, session: aiohttp.ClientSession):
         self.router = router
         self.session = session
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
         while True:

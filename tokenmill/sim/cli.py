@@ -183,13 +183,9 @@ def run(args: argparse.Namespace) -> int:
               f"({len(result.runs)} trials)")
     best = result.best
     if best is not None:
-        s = best.summary
-        print(f"{best.label}: {s.completed}/{s.requests} completed, {s.rejected} rejected, {s.failed} failed; "
-              f"goodput {s.goodput:.2f} req/s ({s.goodput_output_throughput:.1f} tok/s), "
-              f"attainment {100 * (s.slo_attainment or 0):.1f}%, throughput {s.request_throughput:.2f} req/s")
-        if s.ttft_ms:
-            tpot = f"{s.tpot_ms.p50:.1f}/{s.tpot_ms.p99:.1f}" if s.tpot_ms else "-"
-            print(f"TTFT p50/p99 {s.ttft_ms.p50:.1f}/{s.ttft_ms.p99:.1f} ms, TPOT p50/p99 {tpot} ms")
+        from tokenmill.bench.cli import print_run
+
+        print_run(best)
         level = sim["levels"][result.runs.index(best)]
         print(f"simulated {level['simulated_s']:.1f} s in {level['wall_s']:.2f} s wall ({level['events']} events, "
               f"{level['events_per_s']:.0f} events/s)")
