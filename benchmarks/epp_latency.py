@@ -32,6 +32,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from routing_common import wait_http  # noqa: E402
 
 PY = sys.executable
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -70,17 +74,6 @@ def stub_workers(ports: list[int]) -> None:
     asyncio.run(main())
 
 
-def wait_http(url: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
 
 
 async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, decode_s: float, seed: int,

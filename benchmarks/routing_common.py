@@ -234,3 +234,17 @@ def check_port_free(port: int) -> None:
 
 def slugify(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+def wait_ready(p: subprocess.Popen, url: str, log: Path, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            raise SystemExit(f"the server exited (rc {p.returncode}); its log {log}:\n{log.read_text()[-1500:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} did not become healthy within {timeout_s:.0f} s (log {log})")

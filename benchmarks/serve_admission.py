@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from routing_common import _stop  # noqa: E402
+from routing_common import _stop, wait_ready  # noqa: E402
 
 from tokenmill.hardware import capabilities  # noqa: E402
 
@@ -51,21 +51,6 @@ def start_server(mode: str, args, port: int, log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 
-def wait_ready(p: subprocess.Popen, url: str, log: Path, timeout_s: float = 300.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise SystemExit(f"the server exited (rc {p.returncode}); its log {log}:\n{log.read_text()[-1500:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} did not become healthy within {timeout_s:.0f} s (log {log})")
 
 
 def stop(p: subprocess.Popen) -> None:

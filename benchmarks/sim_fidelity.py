@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from routing_common import _stop  # noqa: E402
+from routing_common import _stop, wait_ready  # noqa: E402
 
 from tokenmill.hardware import capabilities  # noqa: E402
 
@@ -29,21 +29,6 @@ PY = sys.executable
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def wait_ready(p: subprocess.Popen, url: str, log: Path, timeout_s: float = 300.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise SystemExit(f"the server exited (rc {p.returncode}); log {log}:\n{log.read_text()[-1500:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"{url} did not become healthy within {timeout_s:.0f} s (log {log})")
 
 
 def load_flags(args, rate: float) -> list[str]:
