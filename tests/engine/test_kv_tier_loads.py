@@ -141,3 +141,14 @@ def test_write_queue_is_bounded(tiny_dir, tmp_path):
     r = llm.generate([prompts()[0]], GREEDY)[0]
     st = llm.engine.stats()
     assert r.outputs[0].token_ids and st.kv_tiers_engine["dropped_stores"] > 0 and st.kv_tiers["host"]["stores"] == 0
+
+
+def test_a_miss_is_looked_up_and_counted_once_per_request(tiny_dir, tmp_path):
+    """A request whose blocks no tier has is looked up once, not at every step it waits."""
+    llm = tiered(tiny_dir, tmp_path, max_num_batched_tokens=16)  # a 190-token prompt waits behind 12 chunks
+    eng = llm.engine
+    eng.add_request("busy", prompts(seed=1)[0], GREEDY)
+    eng.step()
+    eng.add_request("new", prompts(seed=2)[0], GREEDY)
+    run_until_done(eng)
+    assert eng.stats().kv_tiers["host"]["misses"] == 2  # one lookup each

@@ -128,7 +128,7 @@ class KVTiers:
         self.dropped_stores = 0  # write-through blocks dropped: the write queue was full
         self.promoted: dict[str, int] = {s.name: 0 for s in stores}  # blocks read here, written to tiers above
         self._loads: dict[str, _Load] = {}
-        self._tried: set[str] = set()  # requests that had their load (installed or abandoned)
+        self._tried: set[str] = set()  # requests looked up already (loaded, abandoned, or nothing found)
         self._abandoned: list[concurrent.futures.Future] = []
         self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-tier-read")
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-tier-write")
@@ -221,9 +221,10 @@ class KVTiers:
                 if not any(st.contains(keys[i]) for st in stores):
                     break
                 n += 1
-            if n == 0:
+            if n == 0:  # looked up once per request, not again at every step it waits (nor counted again)
                 for st in stores:
                     st.count(misses=1)
+                self._tried.add(req.request_id)
                 continue
             pool.touch(hits)  # pin the prefix this load extends, until the load is installed or abandoned
             blocks = [toks[i * bs:(i + 1) * bs] for i in range(i0, i0 + n)]
