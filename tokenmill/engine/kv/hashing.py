@@ -19,11 +19,17 @@ def hash_block(parent: int, token_ids) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def block_hashes(token_ids: list[int], block_size: int, start: list[int] | None = None) -> list[int]:
-    """Hashes of every full block of token_ids; `start` = already known hashes of the leading blocks."""
+def chain(link, root, token_ids: list[int], block_size: int, start: list | None = None) -> list:
+    """link(parent, block's tokens) over every full block of token_ids, each block's value the next one's
+    parent (root for the first); `start` = already known values of the leading blocks."""
     out = list(start or [])
-    parent = out[-1] if out else ROOT_HASH
+    parent = out[-1] if out else root
     for i in range(len(out), len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        parent = link(parent, token_ids[i * block_size:(i + 1) * block_size])
         out.append(parent)
     return out
+
+
+def block_hashes(token_ids: list[int], block_size: int, start: list[int] | None = None) -> list[int]:
+    """Hashes of every full block of token_ids; `start` = already known hashes of the leading blocks."""
+    return chain(hash_block, ROOT_HASH, token_ids, block_size, start)

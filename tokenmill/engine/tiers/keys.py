@@ -15,6 +15,8 @@ import os
 from array import array
 from pathlib import Path
 
+from tokenmill.engine.kv.hashing import chain
+
 FORMAT_VERSION = 1
 KEY_BYTES = 16
 
@@ -54,9 +56,4 @@ def chain_key(parent: bytes, token_ids) -> bytes:
 
 def chain_keys(fingerprint: bytes, token_ids: list[int], block_size: int, start: list[bytes] | None = None) -> list[bytes]:
     """Keys of every full block of token_ids; `start` = already known keys of the leading blocks."""
-    out = list(start or [])
-    parent = out[-1] if out else fingerprint
-    for i in range(len(out), len(token_ids) // block_size):
-        parent = chain_key(parent, token_ids[i * block_size:(i + 1) * block_size])
-        out.append(parent)
-    return out
+    return chain(chain_key, fingerprint, token_ids, block_size, start)
