@@ -64,6 +64,8 @@ class LLM:
                     c.logprobs = (c.logprobs or []) + out.new_logprobs
                 if out.finished:
                     c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+        if self.engine.tiers is not None:  # offline: return once this batch's KV is stored in the tiers too
+            self.engine.tiers.flush()
         return [results[rid] for rid in order]
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None) -> GenerationResult:
