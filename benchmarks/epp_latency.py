@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -38,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_common import wait_http  # noqa: E402
 
 PY = sys.executable
+PICKERS = ("picker", "baseline")
+SERVERS = (*PICKERS, "echo-aio", "echo-aio-rw", "echo-aio-opts", "echo-aio-x2", "echo-sync")
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
@@ -74,10 +77,95 @@ def stub_workers(ports: list[int]) -> None:
     asyncio.run(main())
 
 
+def echo_server(kind: str, port: int, endpoints: list[str]) -> None:
+    """The floor: a gRPC ext_proc server with the picker's message pattern and nothing else (no parsing, no
+    policy, no metrics; every answer prebuilt). `aio`: grpc.aio, as the picker; `sync`: grpc.server with a
+    thread pool."""
+    import itertools
+    from concurrent import futures
+
+    import grpc
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+    from google.protobuf import struct_pb2
+
+    picks = []
+    for ep in endpoints:
+        md = struct_pb2.Struct()
+        md.update({"envoy.lb": {"x-gateway-destination-endpoint": ep}})
+        picks.append(pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(
+                key="x-gateway-destination-endpoint", raw_value=ep.encode()))]), clear_route_cache=True)),
+            dynamic_metadata=md))
+    rr = itertools.cycle(picks)
+    resp_headers_ack = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+
+    def passthrough(kind: str, body: pb.HttpBody) -> pb.ProcessingResponse:
+        return pb.ProcessingResponse(**{kind: pb.BodyResponse(response=pb.CommonResponse(
+            body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                body=body.body, end_of_stream=body.end_of_stream))))})
+
+    def answer(req):
+        which = req.WhichOneof("request")
+        if which == "request_body":
+            if req.request_body.end_of_stream:
+                return (next(rr), passthrough("request_body", req.request_body))
+            return ()
+        if which == "response_headers":
+            return (resp_headers_ack,)
+        if which == "response_body":
+            return (passthrough("response_body", req.response_body),)
+        return ()
+
+    class Aio(pb_grpc.ExternalProcessorServicer):
+        async def Process(self, request_iterator, context):
+            async for req in request_iterator:
+                for r in answer(req):
+                    yield r
+
+    class AioReadWrite(pb_grpc.ExternalProcessorServicer):
+        async def Process(self, request_iterator, context):  # context.read / write instead of an async generator
+            while (req := await context.read()) is not grpc.aio.EOF:
+                for r in answer(req):
+                    await context.write(r)
+
+    class Sync(pb_grpc.ExternalProcessorServicer):
+        def Process(self, request_iterator, context):
+            for req in request_iterator:
+                yield from answer(req)
+
+    if kind == "sync":
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=256))
+        pb_grpc.add_ExternalProcessorServicer_to_server(Sync(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        server.wait_for_termination()
+        return
+
+    async def main():
+        server = grpc.aio.server(options=ECHO_OPTIONS.get(kind, ()))
+        pb_grpc.add_ExternalProcessorServicer_to_server(AioReadWrite() if kind == "aio-rw" else Aio(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+# gRPC core knobs tried on the floor: no BDP pings, latency-first call combining
+ECHO_OPTIONS = {"aio-opts": (("grpc.http2.bdp_probe", 0), ("grpc.optimization_target", "latency"))}
+
+
+def wait_grpc(port: int, timeout_s: float = 60.0) -> None:
+    import grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        grpc.channel_ready_future(ch).result(timeout=timeout_s)
 
 
 async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, decode_s: float, seed: int,
-                response_body: bool = True) -> dict:
+                response_body: bool = True, n_channels: int = 1) -> dict:
     import grpc
     from envoy.config.core.v3 import base_pb2
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -99,14 +187,17 @@ async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, de
     first_chunk = pb.ProcessingRequest(response_body=pb.HttpBody(body=b'data: {"choices":[{"text":"x"}]}\n\n'))
     last_chunk = pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True))
     lat, lags, outcomes, picks = [], [], {}, {}
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{epp_port}")
-    stub = pb_grpc.ExternalProcessorStub(channel)
+    # one HTTP/2 connection per channel (a distinct arg keeps gRPC from sharing the subchannel); Envoy too
+    # opens one per worker thread. Streams go round-robin over them.
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{epp_port}", options=[("tokenmill.bench.channel", k)])
+                for k in range(n_channels)]
+    stubs = [pb_grpc.ExternalProcessorStub(c) for c in channels]
 
     async def one(i: int, due: float):
         body = json.dumps({"prompt": rng.choice(systems) + f"question {i}: {rng.random()}", "max_tokens": 32,
                            "stream": True}).encode()
         lags.append(time.perf_counter() - due)
-        call = stub.Process()
+        call = stubs[i % n_channels].Process()
         t = time.perf_counter()
         await call.write(headers)
         await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
@@ -132,6 +223,7 @@ async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, de
         await call.done_writing()  # the HTTP stream ended: Envoy closes the ext_proc stream
 
     n = int(rate * duration_s)
+    cpu0 = time.process_time()
     start = time.perf_counter() + 0.2
     tasks = []
     for i in range(n):
@@ -141,17 +233,31 @@ async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, de
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(i, due)))
     await asyncio.gather(*tasks, return_exceptions=False)
-    await channel.close()
-    return {"lat": lat, "lags": lags, "outcomes": outcomes, "picks": picks, "wall_s": time.perf_counter() - start}
+    for c in channels:
+        await c.close()
+    return {"lat": lat, "lags": lags, "outcomes": outcomes, "picks": picks, "wall_s": time.perf_counter() - start,
+            "client_cpu_s": time.process_time() - cpu0}
 
 
-def decision_buckets(url: str) -> dict[float, float]:
-    """The picker's own histogram (body complete -> answer, in-process): share of decisions <= each bound."""
+def scrape(url: str) -> dict:
+    """The picker's own numbers: its decision histogram (body complete -> answer, in-process; cumulative
+    buckets) and its garbage-collector pauses (count and seconds, all generations)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    fam = next(f for f in text_string_to_metric_families(text) if f.name == "tokenmill_router_epp_decision_seconds")
-    b = {float(s.labels["le"]): s.value for s in fam.samples if s.name.endswith("_bucket")}
+    out = {"decision": {}, "gc_n": 0.0, "gc_s": 0.0}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "tokenmill_router_epp_decision_seconds":
+            out["decision"] = {float(s.labels["le"]): s.value for s in fam.samples if s.name.endswith("_bucket")}
+        if fam.name == "tokenmill_router_gc_pause_seconds":
+            out["gc_n"] = sum(s.value for s in fam.samples if s.name.endswith("_count"))
+            out["gc_s"] = sum(s.value for s in fam.samples if s.name.endswith("_sum"))
+    return out
+
+
+def shares(before: dict, after: dict) -> dict[float, float]:
+    """Share of the run's decisions <= each bound."""
+    b = {le: v - before["decision"].get(le, 0.0) for le, v in after["decision"].items()}
     total = b[float("inf")] or 1.0
     return {le: v / total for le, v in b.items()}
 
@@ -166,6 +272,66 @@ def router_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def child_pid(pid: int) -> int:
+    """The process py-spy started (its only child)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if kids:
+            return int(kids[0])
+        time.sleep(0.05)
+    raise RuntimeError("py-spy started no process")
+
+
+def run_one(server: str, mode: str, ports: list[int], args) -> tuple:
+    """One row: start the server (the picker CLI, or an echo floor), drive it, stop it."""
+    hport, eport = free_port(), free_port()
+    env = ENV
+    if server == "baseline":  # the same picker from another checkout (before / after in one run)
+        env = {**ENV, "PYTHONPATH": args.baseline_src}
+    copies = 1
+    if server in PICKERS:
+        cmd = [PY, "-m", "tokenmill", "route", "--port", str(hport), "--epp-port", str(eport),
+               "--admission", mode, "--log-level", "warning"]
+        for p in ports:
+            cmd += ["--worker", f"tokenmill=http://127.0.0.1:{p}"]
+    else:
+        kind = server.split("-", 1)[1]
+        if kind.endswith("-x2"):  # two processes on one port (SO_REUSEPORT, gRPC's default): one per core
+            kind, copies = kind[:-3], 2
+        cmd = [PY, __file__, "--echo-server", f"{kind}:{eport}", "--stub-workers", ",".join(map(str, ports))]
+    if args.py_spy:  # profile the server process (py-spy installed beside, not a dependency)
+        out = Path(args.py_spy) / f"{server}-{mode}.txt"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = ["py-spy", "record", "--format", "raw", "--rate", "250", "--nonblocking", "-o", str(out), "--"] + cmd
+    # cwd: `python -m` puts it first on sys.path, before PYTHONPATH (the baseline must not import this checkout)
+    cwd = args.baseline_src if server == "baseline" else None
+    procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL) for _ in range(copies)]
+    try:
+        if server in PICKERS:
+            wait_http(f"http://127.0.0.1:{hport}/health")
+        wait_grpc(eport)
+        time.sleep(1.0 if copies > 1 else 0.0)  # the second copy listening too
+        pids = [p.pid if not args.py_spy else child_pid(p.pid) for p in procs]
+        cpu0 = sum(router_cpu_s(pid) for pid in pids)
+        m0 = scrape(f"http://127.0.0.1:{hport}/metrics") if server in PICKERS else None
+        r = asyncio.run(drive(eport, args.rate, args.duration, args.ttft_ms / 1e3, args.decode_ms / 1e3, 0,
+                              not args.no_response_body, args.channels))
+        cpu = sum(router_cpu_s(pid) for pid in pids) - cpu0
+        m1 = scrape(f"http://127.0.0.1:{hport}/metrics") if server in PICKERS else None
+    finally:
+        for p, pid in zip(procs, pids if "pids" in locals() else [p.pid for p in procs]):
+            os.kill(pid, signal.SIGTERM)  # (under py-spy: it writes its profile when its target exits)
+        for p in procs:
+            p.wait(30)
+    lat = [x * 1e3 for x in r["lat"]]
+    label = f"{server} (admission {mode})" if server in PICKERS else server
+    return (label, len(lat) / r["wall_s"], statistics.median(lat), pct(lat, 0.9), pct(lat, 0.99), max(lat),
+            pct(r["lags"], 0.99) * 1e3, cpu / len(lat) * 1e3, r["client_cpu_s"] / len(lat) * 1e3, r["outcomes"],
+            len(r["picks"]), shares(m0, m1) if m0 else None,
+            (m1["gc_n"] - m0["gc_n"], (m1["gc_s"] - m0["gc_s"]) * 1e3) if m0 else None)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rate", type=float, default=500.0, help="decisions per second offered (open loop)")
@@ -174,10 +340,25 @@ def main(argv=None) -> int:
     ap.add_argument("--admission", action="append", help="modes to run, in order (default: off, leading)")
     ap.add_argument("--no-response-body", action="store_true", help="the gateway sends the picker response "
                     "headers only (response_body_mode NONE): 4 ext_proc messages per request instead of 8")
+    ap.add_argument("--channels", type=int, default=1, help="gRPC connections the client spreads streams over")
     ap.add_argument("--ttft-ms", type=float, default=30.0)
     ap.add_argument("--decode-ms", type=float, default=300.0)
+    ap.add_argument("--server", action="append", choices=SERVERS, help="servers to run, in order (default: "
+                    "picker); baseline: the picker from --baseline-src; echo-aio / echo-sync: the gRPC floor, the same "
+                    "messages with no picking")
+    ap.add_argument("--baseline-src", metavar="DIR", help="PYTHONPATH of the `baseline` picker (e.g. `git archive "
+                    "<commit> tokenmill | tar -x -C DIR`)")
+    ap.add_argument("--py-spy", metavar="DIR", help="profile each server with py-spy (installed separately) into "
+                    "DIR/<server>-<mode>.txt (collapsed stacks); its sampling costs CPU, so not a latency run")
     ap.add_argument("--stub-workers", help=argparse.SUPPRESS)
+    ap.add_argument("--echo-server", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.echo_server:
+        kind, port = args.echo_server.split(":")
+        echo_server(kind, int(port), [f"127.0.0.1:{p}" for p in args.stub_workers.split(",")])
+        return 0
+    if "baseline" in (args.server or ()) and not args.baseline_src:
+        ap.error("--server baseline needs --baseline-src DIR")
     if args.stub_workers:
         stub_workers([int(p) for p in args.stub_workers.split(",")])
         return 0
@@ -191,38 +372,22 @@ def main(argv=None) -> int:
     rows = []
     try:
         wait_http(f"http://127.0.0.1:{ports[0]}/health")
-        for mode in args.admission or ["off", "leading"]:
-            hport, eport = free_port(), free_port()
-            cmd = [PY, "-m", "tokenmill", "route", "--port", str(hport), "--epp-port", str(eport),
-                   "--admission", mode, "--log-level", "warning"]
-            for p in ports:
-                cmd += ["--worker", f"tokenmill=http://127.0.0.1:{p}"]
-            router = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL)
-            try:
-                wait_http(f"http://127.0.0.1:{hport}/health")
-                cpu0 = router_cpu_s(router.pid)
-                r = asyncio.run(drive(eport, args.rate, args.duration, args.ttft_ms / 1e3, args.decode_ms / 1e3, 0,
-                                      not args.no_response_body))
-                cpu = router_cpu_s(router.pid) - cpu0
-                inside = decision_buckets(f"http://127.0.0.1:{hport}/metrics")
-            finally:
-                router.terminate()
-                router.wait(10)
-            lat = [x * 1e3 for x in r["lat"]]
-            rows.append((mode, len(lat) / r["wall_s"], statistics.median(lat), pct(lat, 0.9), pct(lat, 0.99),
-                         max(lat), pct(r["lags"], 0.99) * 1e3, cpu / len(lat) * 1e3, r["outcomes"],
-                         len(r["picks"]), inside))
+        for server in args.server or ["picker"]:
+            for mode in (args.admission or ["off", "leading"]) if server in PICKERS else ["-"]:
+                rows.append(run_one(server, mode, ports, args))
     finally:
         stubs.terminate()
         stubs.wait(10)
-    print("| admission | decisions/s done | p50 ms | p90 ms | p99 ms | max ms | client lag p99 ms "
-          "| picker CPU ms/decision | in-picker <= 0.5 / 1 / 2 ms | answers | endpoints used |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for mode, done, p50, p90, p99, mx, lag, cpu, outcomes, used, inside in rows:
+    print("| server | decisions/s done | p50 ms | p90 ms | p99 ms | max ms | client lag p99 ms "
+          "| server CPU ms/request | client CPU ms/request | in-picker <= 0.5 / 1 / 2 ms | GC pauses (total ms) "
+          "| answers | endpoints used |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, done, p50, p90, p99, mx, lag, cpu, ccpu, outcomes, used, inside, gcs in rows:
         answers = ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items()))
-        shares = " / ".join(f"{100 * inside[le]:.1f}%" for le in (0.0005, 0.001, 0.002))
-        print(f"| {mode} | {done:.0f} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {mx:.2f} | {lag:.2f} | {cpu:.3f} "
-              f"| {shares} | {answers} | {used} |")
+        shares = " / ".join(f"{100 * inside[le]:.1f}%" for le in (0.0005, 0.001, 0.002)) if inside else "-"
+        gcs_text = "-" if gcs is None or gcs == (0, 0) and label.startswith("baseline") else f"{gcs[0]:.0f} ({gcs[1]:.1f})"
+        print(f"| {label} | {done:.0f} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {mx:.2f} | {lag:.2f} | {cpu:.3f} "
+              f"| {ccpu:.3f} | {shares} | {gcs_text} | {answers} | {used} |")
     return 0
 
 

@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 
 import aiohttp
 from aiohttp import web
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.router.classes import CLASS_HEADER
+from tokenmill.router.gc_pauses import GcPauses, settle_heap
 from tokenmill.router.health import HealthChecker
-from tokenmill.router.prompt import prompt_key
 from tokenmill.router.proxy import error_response, serve
+from tokenmill.router.request_fields import json_object, read_request
 from tokenmill.router.router import Refused, Router
 from tokenmill.router.worker_state import WorkerSpec
 
@@ -57,48 +56,13 @@ async def errors_as_json(request: web.Request, handler):
         return error_response(500, "internal router error (logged)", "server_error")
 
 
-async def _json_body(request: web.Request) -> dict:
-    try:
-        raw = await request.read()
-        body = json.loads(raw)
-    except web.HTTPRequestEntityTooLarge:
-        raise
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidRequestError("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    return body
-
-
-def _workload_class(router: Router, request: web.Request):
-    name = request.headers.get(CLASS_HEADER)
-    if name is None:
-        auth = request.headers.get("Authorization", "")
-        name = router.cfg.class_of_key(auth[7:].strip()) if auth.startswith("Bearer ") else None
-    name = name or router.cfg.default_class
-    if name not in router.classes:
-        raise InvalidRequestError(f"unknown workload class {name!r}; choose from {', '.join(router.classes)}",
-                                  param=CLASS_HEADER)
-    return router.classes[name]
-
-
-def _max_tokens(body: dict) -> int:
-    value = body.get("max_tokens", body.get("max_completion_tokens", 16))
-    if value is None:
-        return 16
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InvalidRequestError("'max_tokens' must be a non-negative integer", param="max_tokens")
-    return value
-
-
 async def _openai(request: web.Request, chat: bool) -> web.StreamResponse:
     router = request.app[ROUTER]
     try:
-        body = await _json_body(request)
-        cls = _workload_class(router, request)
-        if not isinstance(body.get("stream", False), bool):
-            raise InvalidRequestError("'stream' must be a boolean", param="stream")
-        ctx = router.new_request(prompt_key(body, chat, router.cfg.prefix_index), cls, _max_tokens(body))
+        raw = await request.read()  # over client_max_size: 413 (errors_as_json)
+        fields = read_request(raw, request.headers, chat, router.cfg)
+        cls, body = router.classes[fields.class_name], fields.body
+        ctx = router.new_request(fields.key, cls, fields.max_tokens)
     except InvalidRequestError as e:
         return error_response(400, str(e), "invalid_request_error", param=e.param)
     if request.app[DRAINING].is_set():
@@ -156,7 +120,7 @@ async def list_workers(request: web.Request) -> web.Response:
 async def add_worker(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     try:
-        body = await _json_body(request)
+        body = json_object(await request.read())
         spec = WorkerSpec(str(body.get("url", "")).rstrip("/"), body.get("kind", "auto"))
     except (InvalidRequestError, ValueError) as e:
         return error_response(400, str(e), "invalid_request_error", param="url")
@@ -168,7 +132,7 @@ async def add_worker(request: web.Request) -> web.Response:
 async def remove_worker(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     try:
-        url = str((await _json_body(request)).get("url", "")).rstrip("/")
+        url = str(json_object(await request.read()).get("url", "")).rstrip("/")
     except InvalidRequestError as e:
         return error_response(400, str(e), "invalid_request_error", param="url")
     if not router.remove_worker(url):
@@ -215,6 +179,9 @@ async def run(app: web.Application, host: str, port: int, drain_timeout: float =
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
+    gc_watch = GcPauses(app[ROUTER].metrics.registry)
+    gc_watch.start()
+    settle_heap()  # the startup heap is never garbage: keep later collections from rescanning it (gc_pauses.py)
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
 
@@ -233,4 +200,5 @@ async def run(app: web.Application, host: str, port: int, drain_timeout: float =
             await asyncio.sleep(0.05)
     finally:
         await runner.cleanup()
+        gc_watch.stop()
     return 0

@@ -48,8 +48,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Histogram
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.router.classes import CLASS_HEADER
-from tokenmill.router.prompt import prompt_key
+from tokenmill.router.request_fields import read_request
 from tokenmill.router.router import Refused, RequestCtx, Router
 from tokenmill.router.worker_state import InFlight
 
@@ -111,14 +110,16 @@ def _immediate(status: int, message: str, code: str, retry_after_s: float | None
 
 
 @functools.lru_cache(maxsize=4096)
-def _destination(endpoint: str) -> tuple[pb.CommonResponse, struct_pb2.Struct]:
-    """The header mutation and the dynamic metadata that name the picked endpoint (always the same value);
-    built once per endpoint (callers copy them into a response, never mutate them)."""
+def _destination(endpoint: str) -> tuple[pb.ProcessingResponse, pb.ProcessingResponse]:
+    """The answers that name the picked endpoint (header mutation and dynamic metadata, always the same
+    value), as a headers response and as a body response: built once per endpoint and sent as they are
+    (never mutated)."""
     common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoint.encode()))]), clear_route_cache=True)
     md = struct_pb2.Struct()
     md.update({LB_NAMESPACE: {DESTINATION_HEADER: endpoint}})
-    return common, md
+    return (pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md),
+            pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md))
 
 
 HEADERS_ACK = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
@@ -134,6 +135,7 @@ class EppMetrics:
                                 ["outcome"], registry=registry)
         self.decision = Histogram("tokenmill_router_epp_decision_seconds", "Request body complete -> endpoint "
                                   "picked (admission holds included)", buckets=DECISION_BUCKETS, registry=registry)
+        self.picked = self.requests.labels("picked")
 
 
 @dataclass
@@ -213,34 +215,9 @@ class _Exchange:
     def _new_request(self, body: bytes) -> RequestCtx:
         router = self.router
         path = self.headers.get(":path", "").split("?")[0]
-        chat = COMPLETION_PATHS.get(path)
-        doc = {}
-        if body:
-            try:
-                doc = json.loads(body)
-            except (ValueError, UnicodeDecodeError):
-                raise InvalidRequestError("the request body is not valid JSON") from None
-            if not isinstance(doc, dict):
-                raise InvalidRequestError("the request body must be a JSON object")
-        name = self.headers.get(CLASS_HEADER)
-        if name is None:
-            auth = self.headers.get("authorization", "")
-            name = router.cfg.class_of_key(auth[7:].strip()) if auth.startswith("Bearer ") else None
-        name = name or router.cfg.default_class
-        if name not in router.classes:
-            raise InvalidRequestError(f"unknown workload class {name!r}; choose from {', '.join(router.classes)}",
-                                      param=CLASS_HEADER)
-        if chat is None:  # another endpoint (e.g. /v1/models): no prompt to route by, load alone decides
-            key = prompt_key({"prompt": ""}, False, router.cfg.prefix_index)
-        else:
-            key = prompt_key(doc, chat, router.cfg.prefix_index)
-        max_tokens = doc.get("max_tokens", doc.get("max_completion_tokens", 16))
-        if max_tokens is None:
-            max_tokens = 16
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-            raise InvalidRequestError("'max_tokens' must be a non-negative integer", param="max_tokens")
-        self.streaming = doc.get("stream") is True
-        ctx = router.new_request(key, router.classes[name], max_tokens)
+        fields = read_request(body, self.headers, COMPLETION_PATHS.get(path), router.cfg)  # as the proxy reads it
+        self.streaming = fields.stream
+        ctx = router.new_request(fields.key, router.classes[fields.class_name], fields.max_tokens)
         if self.subset is not None:
             by_endpoint = {endpoint_of(w.url): w.url for w in router.pool}
             ctx.only = frozenset(by_endpoint[e] for e in self.subset if e in by_endpoint)
@@ -275,14 +252,13 @@ class _Exchange:
             self.prefill_timer = asyncio.get_running_loop().call_later(
                 max(0.0, self.flight.predicted_ttft_s), router.end_prefill, self.flight)
         m.decision.observe(time.perf_counter() - t0)
-        m.requests.labels("picked").inc()
-        common, md = _destination(endpoint_of(self.flight.worker))
+        m.picked.inc()
+        as_headers, as_body = _destination(endpoint_of(self.flight.worker))
         if phase == "request_headers":
-            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md)]
+            return [as_headers]
         if self.full_duplex_request:  # the held headers, then the whole body
-            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=md),
-                    self._body_passthrough(body, True)]
-        return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md)]
+            return [as_headers, self._body_passthrough(body, True)]
+        return [as_body]
 
     def _served(self, md: base_pb2.Metadata, headers: pb.HttpHeaders) -> None:
         """The gateway answered: move the load to the endpoint that served it if that is another one."""
