@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -186,7 +187,7 @@ async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, de
         base_pb2.HeaderValue(key=":status", raw_value=b"200")])))
     first_chunk = pb.ProcessingRequest(response_body=pb.HttpBody(body=b'data: {"choices":[{"text":"x"}]}\n\n'))
     last_chunk = pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True))
-    lat, lags, outcomes, picks = [], [], {}, {}
+    lat, lags, outcomes, picks, starts = [], [], {}, {}, []
     # one HTTP/2 connection per channel (a distinct arg keeps gRPC from sharing the subchannel); Envoy too
     # opens one per worker thread. Streams go round-robin over them.
     channels = [grpc.aio.insecure_channel(f"127.0.0.1:{epp_port}", options=[("tokenmill.bench.channel", k)])
@@ -203,6 +204,7 @@ async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, de
         await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)))
         first = await call.read()
         lat.append(time.perf_counter() - t)
+        starts.append(t - start)
         if first.HasField("immediate_response"):
             code = first.immediate_response.status.code
             outcomes[code] = outcomes.get(code, 0) + 1
@@ -223,6 +225,10 @@ async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, de
         await call.done_writing()  # the HTTP stream ended: Envoy closes the ext_proc stream
 
     n = int(rate * duration_s)
+    # the client's own collector off while it measures: a full collection here (~10 ms over grpc/protobuf's
+    # heap) would stall every stream in flight and be charged to the picker
+    gc.collect()
+    gc.disable()
     cpu0 = time.process_time()
     start = time.perf_counter() + 0.2
     tasks = []
@@ -232,11 +238,14 @@ async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, de
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(i, due)))
-    await asyncio.gather(*tasks, return_exceptions=False)
+    try:
+        await asyncio.gather(*tasks, return_exceptions=False)
+    finally:
+        gc.enable()
     for c in channels:
         await c.close()
     return {"lat": lat, "lags": lags, "outcomes": outcomes, "picks": picks, "wall_s": time.perf_counter() - start,
-            "client_cpu_s": time.process_time() - cpu0}
+            "client_cpu_s": time.process_time() - cpu0, "starts": starts}
 
 
 def scrape(url: str) -> dict:
@@ -245,13 +254,17 @@ def scrape(url: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    out = {"decision": {}, "gc_n": 0.0, "gc_s": 0.0}
+    out = {"decision": {}, "gc_n": 0.0, "gc_s": 0.0, "gc_long": 0.0, "held": 0.0}
     for fam in text_string_to_metric_families(text):
         if fam.name == "tokenmill_router_epp_decision_seconds":
             out["decision"] = {float(s.labels["le"]): s.value for s in fam.samples if s.name.endswith("_bucket")}
+        if fam.name == "tokenmill_router_queue_wait_seconds":  # requests admission held in a class queue
+            out["held"] = sum(s.value for s in fam.samples if s.name.endswith("_count"))
         if fam.name == "tokenmill_router_gc_pause_seconds":
             out["gc_n"] = sum(s.value for s in fam.samples if s.name.endswith("_count"))
             out["gc_s"] = sum(s.value for s in fam.samples if s.name.endswith("_sum"))
+            out["gc_long"] = sum(s.value for s in fam.samples if s.name.endswith("_bucket") and s.labels["le"] == "+Inf") \
+                - sum(s.value for s in fam.samples if s.name.endswith("_bucket") and s.labels["le"] == "0.005")
     return out
 
 
@@ -283,7 +296,13 @@ def child_pid(pid: int) -> int:
     raise RuntimeError("py-spy started no process")
 
 
-def run_one(server: str, mode: str, ports: list[int], args) -> tuple:
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (all cores, /proc/stat)."""
+    f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int) -> tuple:
     """One row: start the server (the picker CLI, or an echo floor), drive it, stop it."""
     hport, eport = free_port(), free_port()
     env = ENV
@@ -306,6 +325,8 @@ def run_one(server: str, mode: str, ports: list[int], args) -> tuple:
         cmd = ["py-spy", "record", "--format", "raw", "--rate", "250", "--nonblocking", "-o", str(out), "--"] + cmd
     # cwd: `python -m` puts it first on sys.path, before PYTHONPATH (the baseline must not import this checkout)
     cwd = args.baseline_src if server == "baseline" else None
+    if args.pin:  # the server alone on the first core (as a picker pod with its own CPU), the rest on the others
+        cmd = ["taskset", "-c", "0"] + cmd
     procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL) for _ in range(copies)]
     try:
         if server in PICKERS:
@@ -314,10 +335,14 @@ def run_one(server: str, mode: str, ports: list[int], args) -> tuple:
         time.sleep(1.0 if copies > 1 else 0.0)  # the second copy listening too
         pids = [p.pid if not args.py_spy else child_pid(p.pid) for p in procs]
         cpu0 = sum(router_cpu_s(pid) for pid in pids)
+        busy0, stubs0, client0, wall0 = machine_busy_s(), router_cpu_s(stubs_pid), time.process_time(), time.perf_counter()
         m0 = scrape(f"http://127.0.0.1:{hport}/metrics") if server in PICKERS else None
         r = asyncio.run(drive(eport, args.rate, args.duration, args.ttft_ms / 1e3, args.decode_ms / 1e3, 0,
                               not args.no_response_body, args.channels))
         cpu = sum(router_cpu_s(pid) for pid in pids) - cpu0
+        # what the rest of the machine ran meanwhile (other sessions): a row with a busy neighbour is not clean
+        others = (machine_busy_s() - busy0 - cpu - (router_cpu_s(stubs_pid) - stubs0)
+                  - (time.process_time() - client0)) / (time.perf_counter() - wall0)
         m1 = scrape(f"http://127.0.0.1:{hport}/metrics") if server in PICKERS else None
     finally:
         for p, pid in zip(procs, pids if "pids" in locals() else [p.pid for p in procs]):
@@ -325,11 +350,16 @@ def run_one(server: str, mode: str, ports: list[int], args) -> tuple:
         for p in procs:
             p.wait(30)
     lat = [x * 1e3 for x in r["lat"]]
+    if args.trace:  # (start s, latency ms) of every request, to see whether the tail is one stall or spread
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+        Path(args.trace, f"{server}-{mode}.json").write_text(json.dumps(
+            {"starts": r["starts"], "lat_ms": lat, "held": m1["held"] - m0["held"] if m0 else None}))
     label = f"{server} (admission {mode})" if server in PICKERS else server
     return (label, len(lat) / r["wall_s"], statistics.median(lat), pct(lat, 0.9), pct(lat, 0.99), max(lat),
             pct(r["lags"], 0.99) * 1e3, cpu / len(lat) * 1e3, r["client_cpu_s"] / len(lat) * 1e3, r["outcomes"],
             len(r["picks"]), shares(m0, m1) if m0 else None,
-            (m1["gc_n"] - m0["gc_n"], (m1["gc_s"] - m0["gc_s"]) * 1e3) if m0 else None)
+            (m1["gc_n"] - m0["gc_n"], (m1["gc_s"] - m0["gc_s"]) * 1e3, m1["gc_long"] - m0["gc_long"]) if m0 else None,
+            m1["held"] - m0["held"] if m0 else None, others)
 
 
 def main(argv=None) -> int:
@@ -350,6 +380,9 @@ def main(argv=None) -> int:
                     "<commit> tokenmill | tar -x -C DIR`)")
     ap.add_argument("--py-spy", metavar="DIR", help="profile each server with py-spy (installed separately) into "
                     "DIR/<server>-<mode>.txt (collapsed stacks); its sampling costs CPU, so not a latency run")
+    ap.add_argument("--pin", action="store_true", help="server on core 0 alone, client and stub workers on the "
+                    "other cores (a picker with a core of its own; the client is not its neighbour)")
+    ap.add_argument("--trace", metavar="DIR", help="write each row's (start, latency) per request to DIR")
     ap.add_argument("--stub-workers", help=argparse.SUPPRESS)
     ap.add_argument("--echo-server", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -366,28 +399,36 @@ def main(argv=None) -> int:
 
     print(f"# CPU: {capabilities().summary()}", flush=True)
     print(f"# {args.rate:g} decisions/s offered for {args.duration:g} s per mode, {args.workers} endpoints, "
-          f"simulated TTFT {args.ttft_ms:g} ms + decode {args.decode_ms:g} ms", flush=True)
+          f"simulated TTFT {args.ttft_ms:g} ms + decode {args.decode_ms:g} ms, {os.cpu_count()} cores"
+          f"{', server pinned to core 0' if args.pin else ''}, {args.channels} client connection(s)", flush=True)
     ports = [free_port() for _ in range(args.workers)]
+    if args.pin:
+        rest = sorted(os.sched_getaffinity(0) - {0})
+        if not rest:
+            ap.error("--pin needs at least 2 cores")
+        os.sched_setaffinity(0, rest)  # this client, and the stub workers it starts
     stubs = subprocess.Popen([PY, __file__, "--stub-workers", ",".join(map(str, ports))], env=ENV)
     rows = []
     try:
         wait_http(f"http://127.0.0.1:{ports[0]}/health")
         for server in args.server or ["picker"]:
             for mode in (args.admission or ["off", "leading"]) if server in PICKERS else ["-"]:
-                rows.append(run_one(server, mode, ports, args))
+                rows.append(run_one(server, mode, ports, args, stubs.pid))
     finally:
         stubs.terminate()
         stubs.wait(10)
     print("| server | decisions/s done | p50 ms | p90 ms | p99 ms | max ms | client lag p99 ms "
-          "| server CPU ms/request | client CPU ms/request | in-picker <= 0.5 / 1 / 2 ms | GC pauses (total ms) "
-          "| answers | endpoints used |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for label, done, p50, p90, p99, mx, lag, cpu, ccpu, outcomes, used, inside, gcs in rows:
+          "| server CPU ms/request | client CPU ms/request | in-picker <= 0.5 / 1 / 2 ms | picker GC pauses (total ms; long) "
+          "| held | other load (cores) | answers | endpoints used |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, done, p50, p90, p99, mx, lag, cpu, ccpu, outcomes, used, inside, gcs, held, others in rows:
         answers = ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items()))
         shares = " / ".join(f"{100 * inside[le]:.1f}%" for le in (0.0005, 0.001, 0.002)) if inside else "-"
-        gcs_text = "-" if gcs is None or gcs == (0, 0) and label.startswith("baseline") else f"{gcs[0]:.0f} ({gcs[1]:.1f})"
+        gcs_text = "-" if gcs is None or gcs == (0, 0, 0) and label.startswith("baseline") else \
+            f"{gcs[0]:.0f} ({gcs[1]:.1f}; {gcs[2]:.0f} > 5 ms)"
         print(f"| {label} | {done:.0f} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {mx:.2f} | {lag:.2f} | {cpu:.3f} "
-              f"| {ccpu:.3f} | {shares} | {gcs_text} | {answers} | {used} |")
+              f"| {ccpu:.3f} | {shares} | {gcs_text} | {'-' if held is None else f'{held:.0f}'} | {others:.2f} "
+              f"| {answers} | {used} |")
     return 0
 
 

@@ -243,6 +243,51 @@ def test_no_ready_endpoint_is_503_and_a_bad_body_is_400():
     run(with_epp(router, main))
 
 
+def test_the_epp_and_the_proxy_refuse_the_same_bad_requests_with_the_same_message():
+    """One request reader (request_fields.py) for both faces: what the HTTP proxy answers 400, the EPP
+    answers 400 with the same message, and the bodies the proxy routes the EPP picks for."""
+    from router_fakes import FakeWorker, routed
+
+    cases = [(b"{not json", {}), (b"[1]", {}), (b'{"max_tokens": 3}', {}),
+             (b'{"prompt": "x"}', {"x-tokenmill-class": "vip"}), (b'{"prompt": "x", "stream": "yes"}', {}),
+             (b'{"prompt": "x", "max_tokens": -1}', {}), (b'{"prompt": "x", "max_tokens": true}', {}),
+             (b'{"prompt": "x", "max_tokens": 2}', {}), (b'{"prompt": "x", "stream": true}', {"x-tokenmill-class": "batch"})]
+
+    async def main():
+        import aiohttp
+
+        async with routed([FakeWorker()]) as (url, router), aiohttp.ClientSession() as s:
+            server = EppServer(router, "127.0.0.1", 0)
+            await server.start(ready=True)
+            envoy = Envoy(server.port)
+            try:
+                for data, headers in cases:
+                    async with s.post(url + "/v1/completions", data=data, headers=headers) as r:
+                        proxy = (r.status, (await r.json())["error"]["message"] if r.status != 200 else None)
+                    call = envoy.open()
+                    await call.write(envoy.headers(extra=tuple(headers.items())))
+                    await call.write(envoy.body(data))
+                    first = await call.read()
+                    if first.HasField("immediate_response"):
+                        imm = first.immediate_response
+                        epp = (imm.status.code, json.loads(imm.body)["error"]["message"])
+                    else:
+                        picked(first)
+                        epp = (200, None)
+                    call.cancel()
+                    assert epp == proxy, (data, headers)
+                for _ in range(200):  # the cancelled streams release their load when the picker sees them end
+                    if router.in_flight == 0:
+                        break
+                    await asyncio.sleep(0.01)
+                assert router.in_flight == 0
+            finally:
+                await envoy.channel.close()
+                await server.stop(0)
+
+    run(main())
+
+
 def test_admission_refusal_is_an_immediate_429_with_retry_after():
     strict = WorkloadClass("interactive", ttft_slo_s=0.2, tpot_slo_s=1.0, priority=0, max_queue=0, max_wait_s=0.1)
     router = make_router(classes=(strict,), admission=AdmissionConfig(mode="leading"))
