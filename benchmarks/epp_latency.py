@@ -352,7 +352,7 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int) -> t
     lat = [x * 1e3 for x in r["lat"]]
     if args.trace:  # (start s, latency ms) of every request, to see whether the tail is one stall or spread
         Path(args.trace).mkdir(parents=True, exist_ok=True)
-        Path(args.trace, f"{server}-{mode}.json").write_text(json.dumps(
+        Path(args.trace, f"{time.strftime('%H%M%S')}-{server}-{mode}.json").write_text(json.dumps(
             {"starts": r["starts"], "lat_ms": lat, "held": m1["held"] - m0["held"] if m0 else None}))
     label = f"{server} (admission {mode})" if server in PICKERS else server
     return (label, len(lat) / r["wall_s"], statistics.median(lat), pct(lat, 0.9), pct(lat, 0.99), max(lat),
