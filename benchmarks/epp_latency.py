@@ -296,10 +296,81 @@ def child_pid(pid: int) -> int:
     raise RuntimeError("py-spy started no process")
 
 
+def in_process(n: int, workers: int, modes: list[str]) -> None:
+    """The picker's own Python per request, without gRPC: the same messages fed to epp._Exchange.handle in
+    this process (~165 streams open, as at 500/s), CPU time per request and per pick."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from tokenmill.router.admission import AdmissionConfig
+    from tokenmill.router.config import RouterConfig
+    from tokenmill.router.epp import EppMetrics, _Exchange
+    from tokenmill.router.router import Router
+    from tokenmill.router.worker_state import WorkerSpec
+
+    mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    headers = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+            base_pb2.HeaderValue(key=k, raw_value=v) for k, v in
+            ((":method", b"POST"), (":path", b"/v1/completions"), ("content-type", b"application/json"))])),
+        protocol_config=pb.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode))
+    tail = [pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+                base_pb2.HeaderValue(key=":status", raw_value=b"200")]))),
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=b'data: {"choices":[{"text":"x"}]}\n\n')),
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True))]
+    rng = random.Random(0)
+    systems = [f"System prompt {k}: you are assistant number {k}. " * 32 for k in range(8)]
+    bodies = [pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps(
+        {"prompt": rng.choice(systems) + f"question {i}: {rng.random()}", "max_tokens": 32, "stream": True}).encode(),
+        end_of_stream=True)) for i in range(n)]
+    print("| admission | CPU ms/request (all 6 messages) | CPU ms/pick (request body -> answer) |")
+    print("|---|---|---|")
+    for name in modes:
+        async def run() -> tuple[float, float]:
+            cfg = RouterConfig(workers=tuple(WorkerSpec(f"http://127.0.0.1:{9000 + k}") for k in range(workers)),
+                               admission=AdmissionConfig(mode=name))
+            router = Router(cfg)
+            for w in router.pool:
+                w.healthy = True
+            metrics, live, pick_s = EppMetrics(router.metrics.registry), [], 0.0
+            t0 = time.process_time()
+            for i in range(n):
+                ex = _Exchange(router, metrics)
+                await ex.handle(headers)
+                t = time.process_time()
+                await ex.handle(bodies[i])
+                pick_s += time.process_time() - t
+                live.append(ex)
+                if len(live) > 165:
+                    old = live.pop(0)
+                    for msg in tail:
+                        await old.handle(msg)
+                    old.close()
+            return (time.process_time() - t0) / n, pick_s / n
+
+        per_request, per_pick = asyncio.run(run())
+        print(f"| {name} | {per_request * 1e3:.3f} | {per_pick * 1e3:.3f} |")
+
+
 def machine_busy_s() -> float:
     """CPU seconds the whole machine has spent busy (all cores, /proc/stat)."""
     f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
     return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+TCP_COUNTERS = ("TCPToZeroWindowAdv", "TCPLossProbes", "TCPTimeouts")
+
+
+def tcp_counters() -> dict[str, int]:
+    """The machine's TCP stall counters (/proc/net/netstat, all sockets): a receiver advertising a zero window
+    (it did not read), tail-loss probes and retransmission timeouts (a segment re-sent after >= 200 ms)."""
+    lines = open("/proc/net/netstat").read().splitlines()
+    for names, values in zip(lines[::2], lines[1::2]):
+        if names.startswith("TcpExt:"):
+            d = dict(zip(names.split()[1:], map(int, values.split()[1:])))
+            return {k: d.get(k, 0) for k in TCP_COUNTERS}
+    return dict.fromkeys(TCP_COUNTERS, 0)
 
 
 def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int) -> tuple:
@@ -336,10 +407,12 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int) -> t
         pids = [p.pid if not args.py_spy else child_pid(p.pid) for p in procs]
         cpu0 = sum(router_cpu_s(pid) for pid in pids)
         busy0, stubs0, client0, wall0 = machine_busy_s(), router_cpu_s(stubs_pid), time.process_time(), time.perf_counter()
+        tcp0 = tcp_counters()
         m0 = scrape(f"http://127.0.0.1:{hport}/metrics") if server in PICKERS else None
         r = asyncio.run(drive(eport, args.rate, args.duration, args.ttft_ms / 1e3, args.decode_ms / 1e3, 0,
                               not args.no_response_body, args.channels))
         cpu = sum(router_cpu_s(pid) for pid in pids) - cpu0
+        tcp = "/".join(str(v - tcp0[k]) for k, v in tcp_counters().items())
         # what the rest of the machine ran meanwhile (other sessions): a row with a busy neighbour is not clean
         others = (machine_busy_s() - busy0 - cpu - (router_cpu_s(stubs_pid) - stubs0)
                   - (time.process_time() - client0)) / (time.perf_counter() - wall0)
@@ -359,7 +432,7 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int) -> t
             pct(r["lags"], 0.99) * 1e3, cpu / len(lat) * 1e3, r["client_cpu_s"] / len(lat) * 1e3, r["outcomes"],
             len(r["picks"]), shares(m0, m1) if m0 else None,
             (m1["gc_n"] - m0["gc_n"], (m1["gc_s"] - m0["gc_s"]) * 1e3, m1["gc_long"] - m0["gc_long"]) if m0 else None,
-            m1["held"] - m0["held"] if m0 else None, others)
+            m1["held"] - m0["held"] if m0 else None, others, tcp)
 
 
 def main(argv=None) -> int:
@@ -382,6 +455,8 @@ def main(argv=None) -> int:
                     "DIR/<server>-<mode>.txt (collapsed stacks); its sampling costs CPU, so not a latency run")
     ap.add_argument("--pin", action="store_true", help="server on core 0 alone, client and stub workers on the "
                     "other cores (a picker with a core of its own; the client is not its neighbour)")
+    ap.add_argument("--in-process", type=int, metavar="N", help="no gRPC: feed N requests' messages to the "
+                    "picker's handler in this process and print its own CPU per request")
     ap.add_argument("--trace", metavar="DIR", help="write each row's (start, latency) per request to DIR")
     ap.add_argument("--stub-workers", help=argparse.SUPPRESS)
     ap.add_argument("--echo-server", help=argparse.SUPPRESS)
@@ -389,6 +464,12 @@ def main(argv=None) -> int:
     if args.echo_server:
         kind, port = args.echo_server.split(":")
         echo_server(kind, int(port), [f"127.0.0.1:{p}" for p in args.stub_workers.split(",")])
+        return 0
+    if args.in_process:
+        from tokenmill.hardware import capabilities
+
+        print(f"# CPU: {capabilities().summary()}", flush=True)
+        in_process(args.in_process, args.workers, args.admission or ["off", "leading"])
         return 0
     if "baseline" in (args.server or ()) and not args.baseline_src:
         ap.error("--server baseline needs --baseline-src DIR")
@@ -419,15 +500,15 @@ def main(argv=None) -> int:
         stubs.wait(10)
     print("| server | decisions/s done | p50 ms | p90 ms | p99 ms | max ms | client lag p99 ms "
           "| server CPU ms/request | client CPU ms/request | in-picker <= 0.5 / 1 / 2 ms | picker GC pauses (total ms; long) "
-          "| held | other load (cores) | answers | endpoints used |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for label, done, p50, p90, p99, mx, lag, cpu, ccpu, outcomes, used, inside, gcs, held, others in rows:
+          "| held | other load (cores) | TCP zero-window / loss probe / RTO | answers | endpoints used |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, done, p50, p90, p99, mx, lag, cpu, ccpu, outcomes, used, inside, gcs, held, others, tcp in rows:
         answers = ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items()))
         shares = " / ".join(f"{100 * inside[le]:.1f}%" for le in (0.0005, 0.001, 0.002)) if inside else "-"
         gcs_text = "-" if gcs is None or gcs == (0, 0, 0) and label.startswith("baseline") else \
             f"{gcs[0]:.0f} ({gcs[1]:.1f}; {gcs[2]:.0f} > 5 ms)"
         print(f"| {label} | {done:.0f} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {mx:.2f} | {lag:.2f} | {cpu:.3f} "
-              f"| {ccpu:.3f} | {shares} | {gcs_text} | {'-' if held is None else f'{held:.0f}'} | {others:.2f} "
+              f"| {ccpu:.3f} | {shares} | {gcs_text} | {'-' if held is None else f'{held:.0f}'} | {others:.2f} | {tcp} "
               f"| {answers} | {used} |")
     return 0
 
