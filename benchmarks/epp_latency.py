@@ -280,8 +280,10 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def router_cpu_s(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+def router_cpu_s(pid: int, tid: int | None = None) -> float:
+    """CPU seconds of a process (all threads), or of one of its threads (tid: the main thread is tid = pid)."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = open(path).read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -406,12 +408,14 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int) -> t
         time.sleep(1.0 if copies > 1 else 0.0)  # the second copy listening too
         pids = [p.pid if not args.py_spy else child_pid(p.pid) for p in procs]
         cpu0 = sum(router_cpu_s(pid) for pid in pids)
+        loop0 = router_cpu_s(pids[0], pids[0])  # the main thread: the asyncio loop, every handler and decision
         busy0, stubs0, client0, wall0 = machine_busy_s(), router_cpu_s(stubs_pid), time.process_time(), time.perf_counter()
         tcp0 = tcp_counters()
         m0 = scrape(f"http://127.0.0.1:{hport}/metrics") if server in PICKERS else None
         r = asyncio.run(drive(eport, args.rate, args.duration, args.ttft_ms / 1e3, args.decode_ms / 1e3, 0,
                               not args.no_response_body, args.channels))
         cpu = sum(router_cpu_s(pid) for pid in pids) - cpu0
+        loop_busy = (router_cpu_s(pids[0], pids[0]) - loop0) / (time.perf_counter() - wall0) * len(pids)
         tcp = "/".join(str(v - tcp0[k]) for k, v in tcp_counters().items())
         # what the rest of the machine ran meanwhile (other sessions): a row with a busy neighbour is not clean
         others = (machine_busy_s() - busy0 - cpu - (router_cpu_s(stubs_pid) - stubs0)
@@ -432,7 +436,7 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int) -> t
             pct(r["lags"], 0.99) * 1e3, cpu / len(lat) * 1e3, r["client_cpu_s"] / len(lat) * 1e3, r["outcomes"],
             len(r["picks"]), shares(m0, m1) if m0 else None,
             (m1["gc_n"] - m0["gc_n"], (m1["gc_s"] - m0["gc_s"]) * 1e3, m1["gc_long"] - m0["gc_long"]) if m0 else None,
-            m1["held"] - m0["held"] if m0 else None, others, tcp)
+            m1["held"] - m0["held"] if m0 else None, others, tcp, loop_busy)
 
 
 def main(argv=None) -> int:
@@ -499,15 +503,15 @@ def main(argv=None) -> int:
         stubs.terminate()
         stubs.wait(10)
     print("| server | decisions/s done | p50 ms | p90 ms | p99 ms | max ms | client lag p99 ms "
-          "| server CPU ms/request | client CPU ms/request | in-picker <= 0.5 / 1 / 2 ms | picker GC pauses (total ms; long) "
+          "| server CPU ms/request | server loop thread busy | client CPU ms/request | in-picker <= 0.5 / 1 / 2 ms | picker GC pauses (total ms; long) "
           "| held | other load (cores) | TCP zero-window / loss probe / RTO | answers | endpoints used |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for label, done, p50, p90, p99, mx, lag, cpu, ccpu, outcomes, used, inside, gcs, held, others, tcp in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, done, p50, p90, p99, mx, lag, cpu, ccpu, outcomes, used, inside, gcs, held, others, tcp, loop in rows:
         answers = ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items()))
         shares = " / ".join(f"{100 * inside[le]:.1f}%" for le in (0.0005, 0.001, 0.002)) if inside else "-"
         gcs_text = "-" if gcs is None or gcs == (0, 0, 0) and label.startswith("baseline") else \
             f"{gcs[0]:.0f} ({gcs[1]:.1f}; {gcs[2]:.0f} > 5 ms)"
-        print(f"| {label} | {done:.0f} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {mx:.2f} | {lag:.2f} | {cpu:.3f} "
+        print(f"| {label} | {done:.0f} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {mx:.2f} | {lag:.2f} | {cpu:.3f} | {100 * loop:.0f}% "
               f"| {ccpu:.3f} | {shares} | {gcs_text} | {'-' if held is None else f'{held:.0f}'} | {others:.2f} | {tcp} "
               f"| {answers} | {used} |")
     return 0
