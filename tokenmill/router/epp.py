@@ -4,7 +4,7 @@ policies. The protocol (gateway-api-inference-extension, docs/proposals/004-endp
 
     request headers   read (`:path`, class header, API key); answered at once (BUFFERED) or held until the
                       body ends (FULL_DUPLEX_STREAMED, what the inference gateways configure)
-    request body      buffered to its end, parsed like the HTTP proxy parses it (prompt hashes, max_tokens);
+    request body      buffered to its end, read by the HTTP proxy's own reader (request_fields.read_request);
                       then the *same* decision the proxy makes: `Router.acquire` (routing policy + admission
                       on a RouteSnapshot; the request may be held in its class queue)
         admitted      header `x-gateway-destination-endpoint: ip:port` and dynamic metadata
