@@ -119,7 +119,7 @@ class LlamaModel(nn.Module):
         def nbytes(*ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
-        heads = [m for m in (self.lm_head, self.tied_head) if isinstance(m, Linear)]
+        heads = [self.tied_head] if isinstance(self.tied_head, Linear) else []  # not a submodule; lm_head is
         total = nbytes(self.embed_tokens.weight[0])
         for mod in list(self.modules()) + heads:
             if isinstance(mod, Linear):
