@@ -555,7 +555,8 @@ def test_int8_quantizes_the_lm_head_and_counts_the_bytes_a_decode_step_reads(tin
     emb = nbytes(plain.embed_tokens.weight)
     row = cfg.hidden_size * 4  # one embedding row per decoded token
     assert plain.decode_read_bytes == plain.weight_bytes + row - (0 if cfg.tie_word_embeddings else emb)
-    lin = [m for m in q8.modules() if isinstance(m, Linear)] + ([head] if cfg.tie_word_embeddings else [])
+    lin = [m for m in q8.modules() if isinstance(m, Linear)]
+    assert sum(m is head for m in lin) == 1  # the head counted once, tied or not
     norms = sum(nbytes(p) for n, p in q8.named_parameters() if "norm" in n)
     want = sum(nbytes(m.w8) + nbytes(m.w_scale) for m in lin) + norms + row
     assert q8.decode_read_bytes == want < plain.decode_read_bytes / 3

@@ -119,15 +119,14 @@ class LlamaModel(nn.Module):
         def nbytes(*ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
-        heads = [self.tied_head] if isinstance(self.tied_head, Linear) else []  # not a submodule; lm_head is
         total = nbytes(self.embed_tokens.weight[0])
-        for mod in list(self.modules()) + heads:
+        for mod in self.modules():  # an int8 tied_head is a submodule (nn.Module attributes register as such)
             if isinstance(mod, Linear):
                 w = (mod.w8, mod.w_scale) if hasattr(mod, "w8") else (mod.weight,)
                 total += nbytes(*w, mod.bias)
             elif isinstance(mod, RMSNorm):
                 total += nbytes(mod.weight)
-        if self.lm_head is None and not heads:
+        if self.lm_head is None and not isinstance(self.tied_head, Linear):
             total += nbytes(self.embed_tokens.weight)  # the tied head reads the whole embedding
         return total
 
