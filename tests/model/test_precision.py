@@ -493,3 +493,70 @@ def test_quality_gate_int8_kv_cache_on_the_demo_model(dtype):
                         chunk=1)
     assert q["loss"] <= q["reference_loss"] * 1.01, q
     assert q["agreement"] >= 0.95, q
+
+
+@needs_kernels
+@pytest.mark.parametrize("nh, kvh, hd", [(8, 4, 64), (4, 4, 128), (8, 1, 32), (4, 1, 64)])
+@pytest.mark.parametrize("window", [0, 21])
+def test_bf16_decode_attention_every_group_size_and_window_against_fp32_math(nh, kvh, hd, window):
+    """The decode kernel's AVX-512 path (bf16 dot products for q.K, bf16 softmax weights for P.V, 16 tokens per
+    transpose-sum) for query groups 1-8, odd context lengths (a token paired with itself) and a window starting
+    mid-block, against fp32 SDPA over the same bf16 cache; the fp32 query over the same cache too."""
+    from tokenmill.model.attention import gather_kv
+
+    g = torch.Generator().manual_seed(nh * hd + window)
+    nb, bs = 40, 16
+    cache = torch.randn(2, nb, kvh, bs, hd, generator=g).bfloat16()
+    lens = [1, 17, 33, 150]
+    perm = torch.randperm(nb, generator=g)
+    tables = perm[:40].view(4, 10).contiguous()
+    for q_dtype in (torch.bfloat16, torch.float32):
+        q = torch.randn(len(lens), nh, hd, generator=g).to(q_dtype)
+        out = torch.empty_like(q)
+        kernels.paged_decode_attention(out, q, cache[0], cache[1], tables, torch.tensor(lens), hd ** -0.5, window)
+        for d, n in enumerate(lens):
+            lo = max(0, n - window) if window else 0
+            k = gather_kv(cache[0], tables[d])[:, lo:n].float().repeat_interleave(nh // kvh, 0)
+            v = gather_kv(cache[1], tables[d])[:, lo:n].float().repeat_interleave(nh // kvh, 0)
+            ref = F.scaled_dot_product_attention(q[d].float()[:, None], k, v, scale=hd ** -0.5)[:, 0]
+            tol = BF16_TOL if q_dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(out[d].float(), ref, **tol)
+
+
+@pytest.mark.parametrize("which", ["tiny", "demo"])  # an untied and a tied lm_head
+def test_int8_quantizes_the_lm_head_and_counts_the_bytes_a_decode_step_reads(tiny_dir, which):
+    """Under int8 W8A8 the lm_head (tied: an int8 copy beside the float embedding) is an int8 W8A8 Linear whose
+    logits are the W8A8 product of the float head; decode_read_bytes counts what a batch-1 step streams in each
+    precision."""
+    from tokenmill.model.linear import Linear
+    from tokenmill.model.loader import load_model
+
+    path = Path(tiny_dir) if which == "tiny" else Path(__file__).parents[2] / "tokenmill/model/demo/demo"
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.tie_word_embeddings == (which == "demo")
+    plain = load_model(path, cfg, torch.device("cpu"), torch.float32, 256)
+    q8 = load_model(path, cfg, torch.device("cpu"), torch.float32, 256, quantization="int8")
+    head = q8.tied_head if cfg.tie_word_embeddings else q8.lm_head
+    assert isinstance(head, Linear) and head.w8.shape == (cfg.vocab_size, cfg.hidden_size)
+    assert torch.equal(q8.embed_tokens.weight, plain.embed_tokens.weight)  # the embedding itself stays float
+    w = plain.embed_tokens.weight if cfg.tie_word_embeddings else plain.lm_head.weight
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(12, cfg.hidden_size, generator=g)
+    sx = h.abs().amax(1, keepdim=True) / 127
+    sw = w.abs().amax(1) / 127
+    ref = (torch.round(h / sx) @ torch.round(w / sw[:, None]).t()) * sx * sw  # W8A8 of the float head
+    torch.testing.assert_close(q8.compute_logits(h), ref, rtol=1e-4, atol=1e-4)
+    exact = plain.compute_logits(h)
+    assert 1e-6 < ((q8.compute_logits(h) - exact).norm() / exact.norm()).item() < 2e-2
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    emb = nbytes(plain.embed_tokens.weight)
+    row = cfg.hidden_size * 4  # one embedding row per decoded token
+    assert plain.decode_read_bytes == plain.weight_bytes + row - (0 if cfg.tie_word_embeddings else emb)
+    lin = [m for m in q8.modules() if isinstance(m, Linear)]
+    assert sum(m is head for m in lin) == 1  # the head counted once, tied or not
+    norms = sum(nbytes(p) for n, p in q8.named_parameters() if "norm" in n)
+    want = sum(nbytes(m.w8) + nbytes(m.w_scale) for m in lin) + norms + row
+    assert q8.decode_read_bytes == want < plain.decode_read_bytes / 3

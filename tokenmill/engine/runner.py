@@ -32,6 +32,32 @@ def _keep_freed_memory() -> None:
         pass
 
 
+def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros; on the CPU backed by transparent huge pages where the kernel offers them on request
+    (`madvise` mode): decode attention reads a sequence's blocks scattered over the whole cache, one TLB miss
+    per block with 4 KiB pages (measured: decode attention ~1.1x faster on the 40M model with huge pages)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu":
+        _advise_huge_pages(t)
+    return t.zero_()  # touched after the advice, so the pages come in huge
+
+
+def _advise_huge_pages(t: torch.Tensor) -> None:
+    huge = 2 << 20
+    start, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    lo, hi = (start + huge - 1) & ~(huge - 1), (start + nbytes) & ~(huge - 1)
+    if hi <= lo:
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(lo, hi - lo, 14)  # MADV_HUGEPAGE; a kernel without THP refuses it: nothing changes
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass
 class ModelOutput:
     logits: torch.Tensor  # [sum(num_logits), vocab] fp32
@@ -49,11 +75,11 @@ class ModelRunner:
         self.sliding_window = sliding_window
         shape = (2, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
         if self.kv_dtype == torch.int8:  # int8 data + one fp32 scale per (block, kv head) for K and V
-            self.kv_caches = [Int8KVCache.empty(num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, device)
+            self.kv_caches = [Int8KVCache(_zeros(shape, torch.int8, device),
+                                          torch.zeros(2, num_blocks, cfg.num_key_value_heads, device=device))
                               for _ in range(cfg.num_hidden_layers)]
         else:
-            self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=device)
-                              for _ in range(cfg.num_hidden_layers)]
+            self.kv_caches = [_zeros(shape, self.kv_dtype, device) for _ in range(cfg.num_hidden_layers)]
         if device.type == "cpu":
             _keep_freed_memory()
             from tokenmill.model.cpu_kernels import get_kernels

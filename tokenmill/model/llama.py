@@ -14,7 +14,7 @@ from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu_kernels import kernels_for
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding
-from tokenmill.model.linear import LINEAR_METHODS, Linear, LinearMethod, PackedWeight
+from tokenmill.model.linear import LINEAR_METHODS, Int8LinearMethod, Linear, LinearMethod, PackedWeight
 
 
 class Attention(nn.Module):
@@ -77,10 +77,13 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int, quantization: str = "none"):
         """`quantization` picks the LinearMethod of the decoder's projections (linear.LINEAR_METHODS);
-        embeddings and lm_head stay in `dtype`."""
+        embeddings stay in `dtype`. Under int8 W8A8 (`int8`, or a pre-quantized checkpoint) the lm_head (tied or
+        not) is quantized at load time too (the quality gate in tests/model/test_precision.py covers it: it is
+        ~40% of a small model's decode FLOPs); otherwise it stays in `dtype`."""
         super().__init__()
         self.cfg = cfg
         method = LINEAR_METHODS[quantization]
+        self.int8_head = quantization in ("int8", "compressed-tensors-w8a8")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, method) for _ in range(cfg.num_hidden_layers))
@@ -89,8 +92,9 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
-        self.tied_head: PackedWeight | None = None
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
+                                  method=Int8LinearMethod() if self.int8_head else None)
+        self.tied_head: "PackedWeight | Linear | None" = None
 
     def process_weights_after_loading(self) -> None:
         """Once the weights are in and on their device: let each linear method repack its weights."""
@@ -98,8 +102,33 @@ class LlamaModel(nn.Module):
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.method.process_weights_after_loading(mod)
-        if self.lm_head is None:
+        if self.lm_head is None and self.int8_head:  # an int8 copy of the tied embedding (which stays as it is)
+            head = Linear(self.cfg.hidden_size, self.cfg.vocab_size, dtype=self.embed_tokens.weight.dtype,
+                          method=Int8LinearMethod())
+            head.weight = nn.Parameter(self.embed_tokens.weight.detach(), requires_grad=False)
+            head.method.process_weights_after_loading(head)
+            self.tied_head = head
+        elif self.lm_head is None:
             self.tied_head = PackedWeight.maybe(self.embed_tokens.weight)
+        self.decode_read_bytes = self._decode_read_bytes()
+
+    def _decode_read_bytes(self) -> int:
+        """The weight bytes one batch-1 decode step must read (the bandwidth floor's numerator): every projection
+        and the lm_head in the form the small-batch kernels stream (int8 + scales under W8A8), the norms, and
+        one embedding row."""
+        def nbytes(*ts):
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        total = nbytes(self.embed_tokens.weight[0])
+        for mod in self.modules():  # an int8 tied_head is a submodule (nn.Module attributes register as such)
+            if isinstance(mod, Linear):
+                w = (mod.w8, mod.w_scale) if hasattr(mod, "w8") else (mod.weight,)
+                total += nbytes(*w, mod.bias)
+            elif isinstance(mod, RMSNorm):
+                total += nbytes(mod.weight)
+        if self.lm_head is None and not isinstance(self.tied_head, Linear):
+            total += nbytes(self.embed_tokens.weight)  # the tied head reads the whole embedding
+        return total
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

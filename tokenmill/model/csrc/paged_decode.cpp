@@ -134,6 +134,215 @@ static inline void scores_shared_k(const float* qf, const T* kt, int64_t hd, flo
 }
 #endif
 
+#if defined(TM_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define TM_AVX512 1
+// ---- AVX-512 decode attention (built where avx512_bf16 is native): 16 lanes, bf16 dot products (vdpbf16ps) for
+// a bf16 query against a bf16 cache, and 16 tokens' scores reduced together (one transpose-sum per 16 tokens
+// instead of a horizontal sum per token) ----
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+static inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// out[i] = sum of the 16 lanes of v[i], i < 16
+static inline __m512 transpose_sum16(const __m512* v) {
+  __m512 s2[8];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane k: [a(4k)+a(4k+2), b(4k)+b(4k+2), a(4k+1)+a(4k+3), b(..)]
+    s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 s4[4];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane k: [a, b, c, d] summed over lane k
+    const __m512d x = _mm512_castps_pd(s2[2 * i]), y = _mm512_castps_pd(s2[2 * i + 1]);
+    s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // 128-bit lanes: combine lanes (0,1) and (2,3) of two vectors, then once more
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(s4[0], s4[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(s4[2], s4[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+#ifndef TM_PF_AHEAD
+#define TM_PF_AHEAD 16
+#endif
+// pass 1, 16 tokens at a time: scores[g * n + i] = (q_g . k_(start+i)) * scale * (int8: the block's K scale).
+// DP: the query is bf16 and so is the cache: pairs of bf16 products summed by vdpbf16ps (exact products, fp32
+// sums); otherwise the query in fp32 (qf) against K converted to fp32.
+template <bool DP, typename T>
+static void scores16(const float* qf, const at::BFloat16* qb, const T* kp, const T* vp, const int64_t* row,
+                     const float* ksc,
+                     int64_t kvh, int64_t h, int64_t bs, int64_t hd, int64_t start, int64_t ctx, int64_t G,
+                     float fscale, float* scores, int64_t n) {
+  const int64_t sh = __builtin_ctzll(bs), mask = bs - 1;  // bs is a power of two (EngineConfig)
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, n - i0);
+    const T* kt[16];
+    float bsc[16];
+    for (int j = 0; j < 16; ++j) {
+      const int64_t t = start + i0 + (j < cnt ? j : cnt - 1);
+      const int64_t blk = row[t >> sh];
+      kt[j] = kp + ((blk * kvh + h) * bs + (t & mask)) * hd;
+      bsc[j] = ksc ? fscale * ksc[blk * kvh + h] : fscale;
+    }
+    if (i0 + TM_PF_AHEAD < n) {  // rows TM_PF_AHEAD ahead (scattered blocks): fetch them while this group computes
+      for (int j = 0; j < 16; j += 4) {
+        const int64_t t = start + std::min<int64_t>(i0 + TM_PF_AHEAD + j, n - 1);
+        const T* p = kp + ((row[t >> sh] * kvh + h) * bs + (t & mask)) * hd;
+        for (int64_t off = 0; off < 4 * hd; off += 64 / (int64_t)sizeof(T)) __builtin_prefetch(p + off, 0, 3);
+      }
+    }
+    for (int j = 0; j < cnt; j += 4) {  // this group's V rows, for pass 2 (a (sequence, head)'s V fits in L2)
+      const T* p = vp + (kt[j] - kp);
+      for (int64_t off = 0; off < std::min<int64_t>(4, cnt - j) * hd; off += 64 / (int64_t)sizeof(T))
+        __builtin_prefetch(p + off, 0, 2);
+    }
+    const __m512 sc = _mm512_loadu_ps(bsc);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 v[16];
+      for (int j = 0; j < 16; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        if constexpr (DP) {
+          const at::BFloat16* qg = qb + g * hd;
+          for (int64_t e = 0; e < hd; e += 32)
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qg + e), (__m512bh)_mm512_loadu_si512(kt[j] + e));
+        } else {
+          const float* qg = qf + g * hd;
+          for (int64_t e = 0; e < hd; e += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + e), load16(kt[j] + e), a);
+        }
+        v[j] = a;
+      }
+      const __m512 s = _mm512_mul_ps(transpose_sum16(v), sc);
+      _mm512_mask_storeu_ps(scores + g * n + i0, (__mmask16)((1u << cnt) - 1), s);
+    }
+  }
+}
+
+// pass 2, register-tiled as attend_v_tiled: TG query heads x CH chunks of 16 columns stay in registers
+template <int TG, int CH, typename T>
+static void attend_v16(const T* vp, const int64_t* row, const float* vsc, int64_t kvh, int64_t h, int64_t bs,
+                       int64_t hd, int64_t start, int64_t ctx, const float* scores, int64_t n, float* acc) {
+  for (int64_t e0 = 0; e0 < hd; e0 += 16 * CH) {
+    __m512 a[TG][CH];
+    for (int g = 0; g < TG; ++g)
+      for (int c = 0; c < CH; ++c) a[g][c] = _mm512_setzero_ps();
+    for (int64_t b = start / bs; b * bs < ctx; ++b) {
+      const int64_t t0 = std::max(start, b * bs), t1 = std::min(ctx, (b + 1) * bs);
+      const T* vb = vp + (row[b] * kvh + h) * bs * hd + e0;
+      const float vs = vsc ? vsc[row[b] * kvh + h] : 1.f;
+      for (int64_t t = t0; t < t1; ++t) {
+        const T* vt = vb + (t - b * bs) * hd;
+        __m512 p[TG];
+        for (int g = 0; g < TG; ++g) p[g] = _mm512_set1_ps(scores[g * n + (t - start)] * vs);
+        for (int c = 0; c < CH; ++c) {
+          const __m512 v16 = load16(vt + 16 * c);
+          for (int g = 0; g < TG; ++g) a[g][c] = _mm512_fmadd_ps(p[g], v16, a[g][c]);
+        }
+      }
+    }
+    for (int g = 0; g < TG; ++g)
+      for (int c = 0; c < CH; ++c) _mm512_storeu_ps(acc + g * hd + e0 + 16 * c, a[g][c]);
+  }
+}
+
+// pass 2 for a bf16 query over a bf16 cache: two tokens per vdpbf16ps, the softmax weights rounded to bf16 first
+// (as transformers' bf16 attention rounds them before its matmul with V). pb: [TG][2*np] bf16 weights (zero
+// padded to an even count); V rows t and t+1 are interleaved 16-bit-wise, so each fp32 lane sums two tokens.
+// The interleave permutes columns within 128-bit lanes: lo holds columns 8k..8k+3, hi 8k+4..8k+7 of lane k.
+template <int TG, int CH>
+static void attend_v_dp(const at::BFloat16* vp, const int64_t* row, int64_t kvh, int64_t h, int64_t bs, int64_t hd,
+                        int64_t start, int64_t n, const uint32_t* pb, int64_t np, float* acc) {
+  const int64_t sh = __builtin_ctzll(bs), mask = bs - 1;
+  for (int64_t e0 = 0; e0 < hd; e0 += 32 * CH) {
+    __m512 lo[TG][CH], hi[TG][CH];
+    for (int g = 0; g < TG; ++g)
+      for (int c = 0; c < CH; ++c) lo[g][c] = hi[g][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < np; ++i) {
+      const int64_t ta = start + 2 * i, tb = 2 * i + 1 < n ? ta + 1 : ta;  // an odd tail pairs with itself, weight 0
+      const at::BFloat16* va = vp + ((row[ta >> sh] * kvh + h) * bs + (ta & mask)) * hd + e0;
+      const at::BFloat16* vb = vp + ((row[tb >> sh] * kvh + h) * bs + (tb & mask)) * hd + e0;
+      __m512bh p[TG];
+      for (int g = 0; g < TG; ++g) p[g] = (__m512bh)_mm512_set1_epi32((int)pb[g * np + i]);
+      for (int c = 0; c < CH; ++c) {
+        const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb + 32 * c);
+        const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(a, b), u = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        for (int g = 0; g < TG; ++g) {
+          lo[g][c] = _mm512_dpbf16_ps(lo[g][c], l, p[g]);
+          hi[g][c] = _mm512_dpbf16_ps(hi[g][c], u, p[g]);
+        }
+      }
+    }
+    alignas(64) float tl[16], th[16];
+    for (int g = 0; g < TG; ++g)
+      for (int c = 0; c < CH; ++c) {
+        _mm512_store_ps(tl, lo[g][c]);
+        _mm512_store_ps(th, hi[g][c]);
+        float* o = acc + g * hd + e0 + 32 * c;
+        for (int k = 0; k < 4; ++k)
+          for (int j = 0; j < 4; ++j) {
+            o[8 * k + j] = tl[4 * k + j];
+            o[8 * k + 4 + j] = th[4 * k + j];
+          }
+      }
+  }
+}
+
+// the softmax weights [G][n] fp32 -> bf16 pairs [G][np] (np = ceil(n / 2)), rounded to nearest even
+static void weights_to_bf16_pairs(const float* scores, int64_t G, int64_t n, std::vector<uint32_t>& pb, int64_t& np) {
+  np = (n + 1) / 2;
+  pb.assign(G * np, 0u);
+  for (int64_t g = 0; g < G; ++g) {
+    uint16_t* d = reinterpret_cast<uint16_t*>(pb.data() + g * np);
+    const float* s = scores + g * n;
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = (__mmask16)(n - i >= 16 ? 0xffff : (1u << (n - i)) - 1);
+      const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, s + i));
+      _mm256_mask_storeu_epi16(d + i, m, (__m256i)b);
+    }
+  }
+}
+
+static bool attend_v_dp_dispatch(int64_t G, const at::BFloat16* vp, const int64_t* row, int64_t kvh, int64_t h,
+                                 int64_t bs, int64_t hd, int64_t start, int64_t n, const uint32_t* pb, int64_t np,
+                                 float* acc) {
+  if (hd % 32) return false;
+  const int64_t nch = hd / 32;
+#define TM_TRYDP(TG, CH)                                                                                    \
+  if (G == TG && nch % CH == 0) {                                                                           \
+    attend_v_dp<TG, CH>(vp, row, kvh, h, bs, hd, start, n, pb, np, acc);                                    \
+    return true;                                                                                            \
+  }
+  TM_TRYDP(1, 4) TM_TRYDP(1, 2) TM_TRYDP(1, 1)
+  TM_TRYDP(2, 4) TM_TRYDP(2, 2) TM_TRYDP(2, 1)
+  TM_TRYDP(4, 2) TM_TRYDP(4, 1)
+  TM_TRYDP(8, 1)
+#undef TM_TRYDP
+  return false;
+}
+
+template <typename T>
+static bool attend_v16_dispatch(int64_t G, const T* vp, const int64_t* row, const float* vsc, int64_t kvh,
+                                int64_t h, int64_t bs, int64_t hd, int64_t start, int64_t ctx, const float* scores,
+                                int64_t n, float* acc) {
+  if (hd % 16) return false;
+  const int64_t nch = hd / 16;
+#define TM_TRY16(TG, CH)                                                                                    \
+  if (G == TG && nch % CH == 0) {                                                                           \
+    attend_v16<TG, CH, T>(vp, row, vsc, kvh, h, bs, hd, start, ctx, scores, n, acc);                        \
+    return true;                                                                                            \
+  }
+  TM_TRY16(1, 8) TM_TRY16(1, 4) TM_TRY16(1, 2) TM_TRY16(1, 1)
+  TM_TRY16(2, 8) TM_TRY16(2, 4) TM_TRY16(2, 2) TM_TRY16(2, 1)
+  TM_TRY16(4, 4) TM_TRY16(4, 2) TM_TRY16(4, 1)
+  TM_TRY16(8, 2) TM_TRY16(8, 1)
+#undef TM_TRY16
+  return false;
+}
+#endif
+
 template <typename TQ, typename T>
 static void paged_decode_attention_impl(
     torch::Tensor out,           // [D, nh, hd] TQ
@@ -164,6 +373,8 @@ static void paged_decode_attention_impl(
     std::vector<float> scores;
     std::vector<float> acc;
     std::vector<float> qf;  // this (sequence, kv head)'s G query rows in fp32, converted once
+    std::vector<at::BFloat16> qb;  // the same rows in bf16 (AVX-512 bf16 dot products)
+    std::vector<uint32_t> pb;  // the softmax weights as bf16 pairs (AVX-512, bf16 query and cache)
     for (int64_t task = begin; task < end; ++task) {
       const int64_t d = task / kvh, h = task % kvh;
       const int64_t ctx = lens[d];
@@ -180,8 +391,29 @@ static void paged_decode_attention_impl(
 #else
       const bool vec = false;
 #endif
+      bool fast = false;  // AVX-512: 16 tokens' scores at a time
+#ifdef TM_AVX512
+      if (hd % 16 == 0 && (bs & (bs - 1)) == 0) {
+        fast = true;
+        if constexpr (std::is_same<TQ, at::BFloat16>::value && std::is_same<T, at::BFloat16>::value) {
+          if (hd % 32 == 0) {
+            qb.resize(G * hd);
+            for (int64_t g = 0; g < G; ++g)
+              std::memcpy(qb.data() + g * hd, qp + d * qs0 + (h * G + g) * qs1, hd * sizeof(at::BFloat16));
+            scores16<true, T>(nullptr, qb.data(), kp, vp, row, ksc, kvh, h, bs, hd, start, ctx, G, fscale,
+                              scores.data(), n);
+          } else {
+            scores16<false, T>(qf.data(), nullptr, kp, vp, row, ksc, kvh, h, bs, hd, start, ctx, G, fscale,
+                               scores.data(), n);
+          }
+        } else {
+          scores16<false, T>(qf.data(), nullptr, kp, vp, row, ksc, kvh, h, bs, hd, start, ctx, G, fscale,
+                             scores.data(), n);
+        }
+      }
+#endif
       // pass 1: scores[g][t] = q_g . k_t * scale; block by block, each head's rows contiguous
-      for (int64_t b = start / bs; b * bs < ctx; ++b) {
+      for (int64_t b = start / bs; !fast && b * bs < ctx; ++b) {
         const int64_t t0 = std::max(start, b * bs), t1 = std::min(ctx, (b + 1) * bs);
         const T* kb = kp + (row[b] * kvh + h) * bs * hd;
         const float bscale = ksc ? fscale * ksc[row[b] * kvh + h] : fscale;  // int8: the block's K scale
@@ -249,7 +481,20 @@ static void paged_decode_attention_impl(
         for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
       }
       // pass 2: acc[g] = sum_t p[g][t] v_t
-#ifdef TM_AVX2
+#ifdef TM_AVX512
+      bool dp = false;
+      if constexpr (std::is_same<TQ, at::BFloat16>::value && std::is_same<T, at::BFloat16>::value) {
+        if (fast && hd % 32 == 0) {
+          int64_t np;
+          weights_to_bf16_pairs(scores.data(), G, n, pb, np);
+          dp = attend_v_dp_dispatch(G, vp, row, kvh, h, bs, hd, start, n, pb.data(), np, acc.data());
+        }
+      }
+      const bool tiled = dp || attend_v16_dispatch<T>(G, vp, row, vsc, kvh, h, bs, hd, start, ctx, scores.data(), n,
+                                                acc.data()) ||
+                         (vec && attend_v_dispatch<T>(G, vp, row, vsc, kvh, h, bs, hd, start, ctx, scores.data(), n,
+                                                      acc.data()));
+#elif defined(TM_AVX2)
       const bool tiled = vec && attend_v_dispatch<T>(G, vp, row, vsc, kvh, h, bs, hd, start, ctx, scores.data(), n,
                                                      acc.data());
 #else
