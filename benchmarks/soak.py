@@ -84,6 +84,8 @@ def main(argv=None) -> int:
     ap.add_argument("--serve-flag", action="append", default=[], help="extra `tokenmill serve` argument (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="/tmp/tokenmill-soak")
+    ap.add_argument("--server-tree", default=None,
+                    help="run the server from this source tree (PYTHONPATH), e.g. a `git archive` of another commit")
     args = ap.parse_args(argv)
     from tokenmill.hardware import capabilities
     from tokenmill.model.loader import resolve_model_path
@@ -93,7 +95,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     server = subprocess.Popen([PY, "-m", "tokenmill", "serve", "--model", args.model, "--port", "0",
                                "--slo", args.slo, *args.serve_flag],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "PYTHONPATH": args.server_tree} if args.server_tree else None,
+                              cwd=args.server_tree)  # `-m` puts the working directory first on sys.path
     line = server.stdout.readline()
     m = re.search(r"at (http://[\d.]+:\d+)", line)
     if not m:
@@ -137,6 +141,8 @@ def main(argv=None) -> int:
     st = get_json(url + "/tokenmill/state")
     stop.set()
     sampler.join()
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        (out / "metrics.txt").write_bytes(r.read())  # the server's own admission figures, for a post-mortem
     server.terminate()
     code = server.wait(60)
 
@@ -190,6 +196,14 @@ def main(argv=None) -> int:
           f"{st['num_in_flight']} in flight, {st['stats']['num_running']} running, {st['stats']['num_waiting']} waiting; "
           f"server exit code {code} after SIGTERM")
     (out / "samples.json").write_text(json.dumps({"samples": samples, "t_bench": t_bench}, indent=1))
+    good = sum(map(met, ok_recs))
+    ttft_ok = [(r["first_token_s"] - r["sent_s"]) * 1000 for r in ok_recs]
+    (out / "summary.json").write_text(json.dumps({
+        "sent": len(records), "ok": len(ok_recs), "refused": len(refused_ms), "failed": total_failed,
+        "good": good, "goodput_rps": good / (args.minutes * 60), "attainment_accepted": good / len(ok_recs) if ok_recs else None,
+        "refusal_p50_ms": pct(refused_ms, .5), "refusal_p99_ms": pct(refused_ms, .99), "refusal_max_ms": max(refused_ms, default=None),
+        "ttft_p50_ms": pct(ttft_ok, .5), "ttft_p99_ms": pct(ttft_ok, .99), "kv_leaked": st["stats"]["kv_blocks_used"],
+        "exit_code": code}, indent=1))
     ok = total_failed == 0 and st["stats"]["kv_blocks_used"] == 0 and code == 0
     print("PASS" if ok else "FAIL", "(errors 0, KV leaked 0, clean exit)")
     return 0 if ok else 1

@@ -9,7 +9,7 @@ from tokenmill.router.snapshot import RouteRequest, RouteSnapshot, WorkerView, p
 
 CLASSES = by_name(DEFAULT_CLASSES)
 INTERACTIVE, BATCH = CLASSES["interactive"], CLASSES["batch"]  # interactive: TTFT 1 s, max wait 0.5 s
-LEADING = AdmissionConfig()
+LEADING = AdmissionConfig(hold_drain="fast")  # the band's semantics; the drains are compared below
 
 
 def decide(workers, cls=INTERACTIVE, chosen=None, now=10.0, arrival=10.0, room=8, held=False, cfg=LEADING,
@@ -133,6 +133,26 @@ def test_a_request_that_would_wait_behind_held_requests_counts_their_work_and_is
     assert decide(pair, prompt_tokens=100, ahead=(2, 1200)).action == "reject"
 
 
+def test_hold_drain_decides_whether_holding_can_still_get_it_admitted_before_its_hold_deadline():
+    """Held, a request is admitted once the admission test passes (upper end x margin within what is left of
+    the budget); the budget shrinks by 1 s per s while the work in front drains. If that work drains at the
+    band's slow end (1 / hi predicted s per s), the upper end shrinks exactly as fast as the budget: holding
+    never helps a request that fails the test now, and it is refused at once (the default: 429s in
+    milliseconds at 2x the sustainable rate, docs/benchmarks/engine_process.md)."""
+    band = dict(ttft_error_lo=0.7, ttft_error_hi=1.3)  # interactive: 1 s budget, hold deadline 0.5 s away
+    for tokens, drains in ((780, {"fast": "hold", "expected": "hold", "slow": "reject"}),  # 0.88 s predicted
+                           (850, {"fast": "hold", "expected": "reject", "slow": "reject"})):  # 0.95 s
+        for drain, action in drains.items():
+            a = decide([busy("a", tokens, **band)], prompt_tokens=100, cfg=AdmissionConfig(hold_drain=drain))
+            assert a.action == action, (tokens, drain, a)
+    # the default never refuses what meets now, and holds what only the margin k keeps out (k never refuses)
+    assert decide([busy("a", 600, **band)], prompt_tokens=100, cfg=AdmissionConfig()).action == "admit"
+    held = decide([busy("a", 600, ttft_slo_margin=1.5, **band)], prompt_tokens=100, cfg=AdmissionConfig())
+    assert held.action == "hold"
+    with pytest.raises(ValueError, match="hold_drain"):
+        AdmissionConfig(hold_drain="sometimes")
+
+
 def test_full_queue_refuses_and_a_held_request_expires_at_its_deadline():
     blocked = busy("a", 1050, ttft_error_lo=0.5)  # 1.15 s predicted for a 1 s budget: within the error band
     assert decide([blocked], room=0, prompt_tokens=100).reason == "queue-full"
@@ -194,7 +214,8 @@ def test_router_admits_a_request_that_meets_its_slo_even_while_others_of_its_cla
 
     async def run():
         t = [100.0]
-        cfg = RouterConfig(workers=(WorkerSpec("http://a"),), rate_priors=RatePriors(ttft_base_s=0.0, prefill_rate_tps=1000.0))
+        cfg = RouterConfig(workers=(WorkerSpec("http://a"),), rate_priors=RatePriors(ttft_base_s=0.0, prefill_rate_tps=1000.0),
+                           admission=LEADING)
         router = Router(cfg, clock=lambda: t[0])
         w = router.pool.get("http://a")
         w.healthy, w.rates.prefill.samples = True, 5
@@ -231,7 +252,8 @@ def test_router_refuses_at_once_a_request_queued_behind_held_ones_it_cannot_outl
 
     async def run():
         t = [100.0]
-        cfg = RouterConfig(workers=(WorkerSpec("http://a"),), rate_priors=RatePriors(ttft_base_s=0.0, prefill_rate_tps=1000.0))
+        cfg = RouterConfig(workers=(WorkerSpec("http://a"),), rate_priors=RatePriors(ttft_base_s=0.0, prefill_rate_tps=1000.0),
+                           admission=LEADING)
         router = Router(cfg, clock=lambda: t[0])
         w = router.pool.get("http://a")
         w.healthy, w.rates.prefill.samples = True, 5

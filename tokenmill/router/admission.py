@@ -69,6 +69,7 @@ from tokenmill.router.snapshot import (RouteSnapshot, WorkerView, behind_ttft_s,
                                       predicted_ttft_s)
 
 MODES = ("leading", "lagging", "off")
+HOLD_DRAINS = ("fast", "expected", "slow")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,10 @@ class AdmissionConfig:
     warmup_samples: int = 2  # slow start: one pending prefill per worker until its rate has this many samples
     lagging_ttft_factor: float = 1.0
     lagging_max_waiting: int = 8
+    # how fast the work in front of a held request is assumed to drain when judging whether holding it can
+    # still get it admitted before its hold deadline: "fast" 1 / lo_w predicted s per s (the band's fast end),
+    # "expected" 1 (the calibrated prediction), "slow" 1 / hi_w
+    hold_drain: str = "slow"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -87,6 +92,8 @@ class AdmissionConfig:
             raise ValueError(f"admission idle_headroom must be in (0, 1], got {self.idle_headroom}")
         if self.warmup_samples < 0:
             raise ValueError(f"admission warmup_samples must be >= 0, got {self.warmup_samples}")
+        if self.hold_drain not in HOLD_DRAINS:
+            raise ValueError(f"unknown admission hold_drain {self.hold_drain!r}; choose from {', '.join(HOLD_DRAINS)}")
         if self.lagging_ttft_factor <= 0 or self.lagging_max_waiting < 0:
             raise ValueError("admission lagging thresholds must be positive")
 
@@ -168,7 +175,8 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
         behind = behind_ttft_s(w, r, share)
         if behind * w.ttft_error_lo > budget:
             return True
-        left_s = max(0.0, behind - wait_s / w.ttft_error_lo)
+        drain = {"fast": 1.0 / w.ttft_error_lo, "expected": 1.0, "slow": 1.0 / w.ttft_error_hi}[cfg.hold_drain]
+        left_s = max(0.0, behind - wait_s * drain)
         return left_s * w.ttft_error_hi > min(budget - wait_s, idle_budget)  # k_w never causes a refusal
 
     if all(hopeless(w) for w in workers.values()):
