@@ -113,10 +113,18 @@ def main(argv=None) -> int:
 
     def sample() -> None:
         while not stop.is_set():
-            st = get_json(url + "/tokenmill/state")
+            try:
+                st = get_json(url + "/tokenmill/state")
+            except OSError as e:  # a slow answer under load: skip this sample, say so
+                print(f"# state sample failed: {e}", flush=True)
+                stop.wait(args.sample_s)
+                continue
             samples.append({"t": time.monotonic() - t_start, "front_rss": rss_mib(server.pid),
                             "core_rss": rss_mib(core_pid) if core_pid else None,
-                            "kv_used": st["stats"]["kv_blocks_used"], "in_flight": st["num_in_flight"]})
+                            "kv_used": st["stats"]["kv_blocks_used"], "in_flight": st["num_in_flight"],
+                            "kv_cached": st["stats"].get("kv_blocks_cached"),
+                            "kv_total": st["stats"]["kv_blocks_total"],
+                            "evictions": st["stats"].get("kv_evictions_total")})
             stop.wait(args.sample_s)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -150,8 +158,8 @@ def main(argv=None) -> int:
     print(f"\nmodel {args.model}; workload {args.workload}; {args.sessions:g} sessions/s = {rate:g} req/s for "
           f"{args.minutes:g} min; SLO {args.slo}; serve flags {args.serve_flag or 'defaults'}")
     print("\n| minute | sent | ok | refused | failed | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
-          "| front-end RSS MiB | core RSS MiB |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| front-end RSS MiB | core RSS MiB | prefix-cached blocks | evictions |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     n_min = int(-(-args.minutes // 1))
     total_failed = 0
     for k in range(n_min):
@@ -165,15 +173,21 @@ def main(argv=None) -> int:
         ss = [s for s in samples if t_bench + k * 60 <= s["t"] < t_bench + (k + 1) * 60]
         front = max((s["front_rss"] for s in ss if s["front_rss"]), default=None)
         core = max((s["core_rss"] for s in ss if s["core_rss"]), default=None)
+        cached = max((s["kv_cached"] for s in ss if s.get("kv_cached") is not None), default=None)
+        evicted = max((s["evictions"] for s in ss if s.get("evictions") is not None), default=None)
         print(f"| {k + 1} | {len(rs)} | {len(ok)} | {sum(r['status'] == 'rejected' for r in rs)} | {len(failed)} | "
               f"{fmt(pct(ttft, .5))} | {fmt(pct(ttft, .99))} | {fmt(pct(tpot, .5))} | {fmt(pct(tpot, .99))} | "
-              f"{fmt(front, '.1f')} | {fmt(core, '.1f')} |")
+              f"{fmt(front, '.1f')} | {fmt(core, '.1f')} | {fmt(cached)} | {fmt(evicted)} |")
+    if samples and samples[-1].get("kv_total"):
+        print(f"\nKV pool: {samples[-1]['kv_total']} blocks; the prefix cache fills it with new content until "
+              "evictions start (its index grows with it: bounded by the pool)")
     after = [s for s in samples if s["t"] >= t_bench + args.warmup_min * 60]
     for key, name in (("front_rss", "front-end"), ("core_rss", "engine core")):
         pts = [(s["t"], s[key]) for s in after if s[key]]
         if pts:
             print(f"\n{name} RSS after {args.warmup_min:g} min warm-up: {min(v for _, v in pts):.1f}–"
-                  f"{max(v for _, v in pts):.1f} MiB over {len(pts)} samples, slope {fmt(slope_per_min(pts), '+.2f')} MiB/min")
+                  f"{max(v for _, v in pts):.1f} MiB over {len(pts)} samples, slope {fmt(slope_per_min(pts), '+.2f')} MiB/min"
+                  f" (second half: {fmt(slope_per_min(pts[len(pts) // 2:]), '+.2f')} MiB/min)")
     slo = dict(kv.split("=") for kv in args.slo.split(":", 1)[1].split(","))
     ttft_slo, tpot_slo = float(slo["ttft"]) / 1000, float(slo["tpot"]) / 1000
     ok_recs = [r for r in records if r["status"] == "ok" and r.get("first_token_s") is not None]
