@@ -88,7 +88,6 @@ def main(argv=None) -> int:
                     help="run the server from this source tree (PYTHONPATH), e.g. a `git archive` of another commit")
     args = ap.parse_args(argv)
     from tokenmill.hardware import capabilities
-    from tokenmill.model.loader import resolve_model_path
 
     print(f"# CPU: {capabilities().summary()}", flush=True)
     out = Path(args.out)
@@ -98,6 +97,17 @@ def main(argv=None) -> int:
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "PYTHONPATH": args.server_tree} if args.server_tree else None,
                               cwd=args.server_tree)  # `-m` puts the working directory first on sys.path
+    try:
+        return _soak(args, out, server)
+    finally:
+        if server.poll() is None:  # an exception before the orderly SIGTERM: leave no orphan server behind
+            server.kill()  # its engine core exits when the front-end's end of their socket closes
+            server.wait()
+
+
+def _soak(args, out: Path, server: subprocess.Popen) -> int:
+    from tokenmill.model.loader import resolve_model_path
+
     line = server.stdout.readline()
     m = re.search(r"at (http://[\d.]+:\d+)", line)
     if not m:
