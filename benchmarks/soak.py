@@ -84,16 +84,30 @@ def main(argv=None) -> int:
     ap.add_argument("--serve-flag", action="append", default=[], help="extra `tokenmill serve` argument (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="/tmp/tokenmill-soak")
+    ap.add_argument("--server-tree", default=None,
+                    help="run the server from this source tree (PYTHONPATH), e.g. a `git archive` of another commit")
     args = ap.parse_args(argv)
     from tokenmill.hardware import capabilities
-    from tokenmill.model.loader import resolve_model_path
 
     print(f"# CPU: {capabilities().summary()}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     server = subprocess.Popen([PY, "-m", "tokenmill", "serve", "--model", args.model, "--port", "0",
                                "--slo", args.slo, *args.serve_flag],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "PYTHONPATH": args.server_tree} if args.server_tree else None,
+                              cwd=args.server_tree)  # `-m` puts the working directory first on sys.path
+    try:
+        return _soak(args, out, server)
+    finally:
+        if server.poll() is None:  # an exception before the orderly SIGTERM: leave no orphan server behind
+            server.kill()  # its engine core exits when the front-end's end of their socket closes
+            server.wait()
+
+
+def _soak(args, out: Path, server: subprocess.Popen) -> int:
+    from tokenmill.model.loader import resolve_model_path
+
     line = server.stdout.readline()
     m = re.search(r"at (http://[\d.]+:\d+)", line)
     if not m:
@@ -109,10 +123,18 @@ def main(argv=None) -> int:
 
     def sample() -> None:
         while not stop.is_set():
-            st = get_json(url + "/tokenmill/state")
+            try:
+                st = get_json(url + "/tokenmill/state")
+            except OSError as e:  # a slow answer under load: skip this sample, say so
+                print(f"# state sample failed: {e}", flush=True)
+                stop.wait(args.sample_s)
+                continue
             samples.append({"t": time.monotonic() - t_start, "front_rss": rss_mib(server.pid),
                             "core_rss": rss_mib(core_pid) if core_pid else None,
-                            "kv_used": st["stats"]["kv_blocks_used"], "in_flight": st["num_in_flight"]})
+                            "kv_used": st["stats"]["kv_blocks_used"], "in_flight": st["num_in_flight"],
+                            "kv_cached": st["stats"].get("kv_blocks_cached"),
+                            "kv_total": st["stats"]["kv_blocks_total"],
+                            "evictions": st["stats"].get("kv_evictions_total")})
             stop.wait(args.sample_s)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -137,6 +159,8 @@ def main(argv=None) -> int:
     st = get_json(url + "/tokenmill/state")
     stop.set()
     sampler.join()
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        (out / "metrics.txt").write_bytes(r.read())  # the server's own admission figures, for a post-mortem
     server.terminate()
     code = server.wait(60)
 
@@ -144,8 +168,8 @@ def main(argv=None) -> int:
     print(f"\nmodel {args.model}; workload {args.workload}; {args.sessions:g} sessions/s = {rate:g} req/s for "
           f"{args.minutes:g} min; SLO {args.slo}; serve flags {args.serve_flag or 'defaults'}")
     print("\n| minute | sent | ok | refused | failed | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
-          "| front-end RSS MiB | core RSS MiB |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| front-end RSS MiB | core RSS MiB | prefix-cached blocks | evictions |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     n_min = int(-(-args.minutes // 1))
     total_failed = 0
     for k in range(n_min):
@@ -159,15 +183,21 @@ def main(argv=None) -> int:
         ss = [s for s in samples if t_bench + k * 60 <= s["t"] < t_bench + (k + 1) * 60]
         front = max((s["front_rss"] for s in ss if s["front_rss"]), default=None)
         core = max((s["core_rss"] for s in ss if s["core_rss"]), default=None)
+        cached = max((s["kv_cached"] for s in ss if s.get("kv_cached") is not None), default=None)
+        evicted = max((s["evictions"] for s in ss if s.get("evictions") is not None), default=None)
         print(f"| {k + 1} | {len(rs)} | {len(ok)} | {sum(r['status'] == 'rejected' for r in rs)} | {len(failed)} | "
               f"{fmt(pct(ttft, .5))} | {fmt(pct(ttft, .99))} | {fmt(pct(tpot, .5))} | {fmt(pct(tpot, .99))} | "
-              f"{fmt(front, '.1f')} | {fmt(core, '.1f')} |")
+              f"{fmt(front, '.1f')} | {fmt(core, '.1f')} | {fmt(cached)} | {fmt(evicted)} |")
+    if samples and samples[-1].get("kv_total"):
+        print(f"\nKV pool: {samples[-1]['kv_total']} blocks; the prefix cache fills it with new content until "
+              "evictions start (its index grows with it: bounded by the pool)")
     after = [s for s in samples if s["t"] >= t_bench + args.warmup_min * 60]
     for key, name in (("front_rss", "front-end"), ("core_rss", "engine core")):
         pts = [(s["t"], s[key]) for s in after if s[key]]
         if pts:
             print(f"\n{name} RSS after {args.warmup_min:g} min warm-up: {min(v for _, v in pts):.1f}–"
-                  f"{max(v for _, v in pts):.1f} MiB over {len(pts)} samples, slope {fmt(slope_per_min(pts), '+.2f')} MiB/min")
+                  f"{max(v for _, v in pts):.1f} MiB over {len(pts)} samples, slope {fmt(slope_per_min(pts), '+.2f')} MiB/min"
+                  f" (second half: {fmt(slope_per_min(pts[len(pts) // 2:]), '+.2f')} MiB/min)")
     slo = dict(kv.split("=") for kv in args.slo.split(":", 1)[1].split(","))
     ttft_slo, tpot_slo = float(slo["ttft"]) / 1000, float(slo["tpot"]) / 1000
     ok_recs = [r for r in records if r["status"] == "ok" and r.get("first_token_s") is not None]
@@ -190,6 +220,14 @@ def main(argv=None) -> int:
           f"{st['num_in_flight']} in flight, {st['stats']['num_running']} running, {st['stats']['num_waiting']} waiting; "
           f"server exit code {code} after SIGTERM")
     (out / "samples.json").write_text(json.dumps({"samples": samples, "t_bench": t_bench}, indent=1))
+    good = sum(map(met, ok_recs))
+    ttft_ok = [(r["first_token_s"] - r["sent_s"]) * 1000 for r in ok_recs]
+    (out / "summary.json").write_text(json.dumps({
+        "sent": len(records), "ok": len(ok_recs), "refused": len(refused_ms), "failed": total_failed,
+        "good": good, "goodput_rps": good / (args.minutes * 60), "attainment_accepted": good / len(ok_recs) if ok_recs else None,
+        "refusal_p50_ms": pct(refused_ms, .5), "refusal_p99_ms": pct(refused_ms, .99), "refusal_max_ms": max(refused_ms, default=None),
+        "ttft_p50_ms": pct(ttft_ok, .5), "ttft_p99_ms": pct(ttft_ok, .99), "kv_leaked": st["stats"]["kv_blocks_used"],
+        "exit_code": code}, indent=1))
     ok = total_failed == 0 and st["stats"]["kv_blocks_used"] == 0 and code == 0
     print("PASS" if ok else "FAIL", "(errors 0, KV leaked 0, clean exit)")
     return 0 if ok else 1

@@ -9,12 +9,13 @@ from tokenmill.router.snapshot import RouteRequest, RouteSnapshot, WorkerView, p
 
 CLASSES = by_name(DEFAULT_CLASSES)
 INTERACTIVE, BATCH = CLASSES["interactive"], CLASSES["batch"]  # interactive: TTFT 1 s, max wait 0.5 s
-LEADING = AdmissionConfig()
+LEADING = AdmissionConfig(hold_drain="fast")  # the band's semantics; the drains are compared below
 
 
 def decide(workers, cls=INTERACTIVE, chosen=None, now=10.0, arrival=10.0, room=8, held=False, cfg=LEADING,
-           prompt_tokens=1000):
-    s = RouteSnapshot(tuple(workers), RouteRequest("r", now, arrival, prompt_tokens, cls.name))
+           prompt_tokens=1000, ahead=(0, 0)):
+    s = RouteSnapshot(tuple(workers), RouteRequest("r", now, arrival, prompt_tokens, cls.name,
+                                                   ahead_requests=ahead[0], ahead_tokens=ahead[1]))
     return admit(s, RouteChoice(chosen or workers[0].url, "test"), cls, DEFAULT_CLASSES, cfg, room, held)
 
 
@@ -80,9 +81,13 @@ def test_admits_within_refuses_beyond_and_holds_inside_the_predictors_error_band
     assert a.action == "admit"
     a = decide([busy("a", 800, **band)], prompt_tokens=100)  # 0.9 s: may miss by its usual error
     assert (a.action, a.reason) == ("hold", "slo")
-    a = decide([busy("a", 1200, **band)], prompt_tokens=100)  # 1.3 s, 0.91 s at the lower end: may still meet
+    a = decide([busy("a", 950, **band)], prompt_tokens=100)  # 1.05 s, 0.735 s at the lower end: may still meet
     assert (a.action, a.reason) == ("hold", "slo")
-    assert a.retry_after_s == pytest.approx(0.3)
+    assert a.retry_after_s == pytest.approx(0.05)
+    # 1.3 s, 0.91 s at the lower end: it could meet, but the admission test cannot pass before its hold
+    # deadline (0.5 s away) even with the queue drained at 1 / 0.7 predicted s per s (0.59 s x 1.3 > 0.5 s)
+    a = decide([busy("a", 1200, **band)], prompt_tokens=100)
+    assert (a.action, a.reason) == ("reject", "slo")
     a = decide([busy("a", 1500, **band)], prompt_tokens=100)  # 1.6 s, 1.12 s at the lower end: misses for sure
     assert (a.action, a.reason) == ("reject", "slo")
     exact = busy("a", 1200)  # a predictor known to be exact: 1.3 s misses for sure
@@ -102,8 +107,50 @@ def test_the_slo_margin_widens_the_upper_end_only_and_never_causes_a_refusal():
     other = busy("b", 500, **band)  # 0.6 s x 1.3 = 0.78 s: another worker still meets it at once
     a = decide([busy("a", 600, ttft_slo_margin=1.2, **band), other], prompt_tokens=100, chosen="a")
     assert (a.action, a.worker) == ("admit", "b")
-    # 1.3 s predicted, 0.91 s at the lower end: held with any margin, never refused because of it
-    assert decide([busy("a", 1200, ttft_slo_margin=3.0, **band)], prompt_tokens=100).action == "hold"
+    # 1.05 s predicted, 0.735 s at the lower end: held with any margin, never refused because of it
+    assert decide([busy("a", 950, ttft_slo_margin=3.0, **band)], prompt_tokens=100).action == "hold"
+
+
+def test_a_request_that_would_wait_behind_held_requests_counts_their_work_and_is_refused_at_once():
+    """At 2x the sustainable rate the class queue is full of held requests; a new one would be dispatched
+    only after them. Counting only the dispatched work it looked feasible (held, then refused ~2 s later at
+    its hold deadline); with the held work ahead it is refused now (the 429 comes in milliseconds)."""
+    band = dict(ttft_error_lo=0.7, ttft_error_hi=1.3)
+    alone = decide([busy("a", 500, **band)], prompt_tokens=100)  # 0.6 s: admitted
+    assert alone.action == "admit"  # nothing held: the queue cannot matter
+    assert decide([busy("a", 500, **band)], prompt_tokens=100, ahead=(3, 300)).action == "admit"  # meets now
+    a = decide([busy("a", 850, **band)], prompt_tokens=100)  # 0.95 s: held (may meet before its deadline)
+    assert (a.action, a.reason) == ("hold", "slo")
+    a = decide([busy("a", 850, **band)], prompt_tokens=100, ahead=(2, 600))  # + 0.6 s held in front of it
+    assert (a.action, a.reason) == ("reject", "slo")
+    assert a.retry_after_s == pytest.approx(0.0, abs=1e-9)  # the excess over the budget of the worker alone
+    a = decide([busy("a", 850, **band)], prompt_tokens=100, ahead=(1, 50))  # a little in front: still held
+    assert a.action == "hold"
+    # two workers: the held ones ahead spread over both (the optimistic split), so less in front on each
+    assert decide([busy("a", 850, **band)], prompt_tokens=100, ahead=(2, 200)).action == "reject"  # 1.15 s
+    pair = [busy("a", 850, **band), busy("b", 850, **band)]
+    assert decide(pair, prompt_tokens=100, ahead=(2, 200)).action == "hold"  # 1.05 s on either
+    assert decide(pair, prompt_tokens=100, ahead=(2, 1200)).action == "reject"
+
+
+def test_hold_drain_decides_whether_holding_can_still_get_it_admitted_before_its_hold_deadline():
+    """Held, a request is admitted once the admission test passes (upper end x margin within what is left of
+    the budget); the budget shrinks by 1 s per s while the work in front drains. If that work drains at the
+    band's slow end (1 / hi predicted s per s), the upper end shrinks exactly as fast as the budget: holding
+    never helps a request that fails the test now, and it is refused at once (the default: 429s in
+    milliseconds at 2x the sustainable rate, docs/benchmarks/engine_process.md)."""
+    band = dict(ttft_error_lo=0.7, ttft_error_hi=1.3)  # interactive: 1 s budget, hold deadline 0.5 s away
+    for tokens, drains in ((780, {"fast": "hold", "expected": "hold", "slow": "reject"}),  # 0.88 s predicted
+                           (850, {"fast": "hold", "expected": "reject", "slow": "reject"})):  # 0.95 s
+        for drain, action in drains.items():
+            a = decide([busy("a", tokens, **band)], prompt_tokens=100, cfg=AdmissionConfig(hold_drain=drain))
+            assert a.action == action, (tokens, drain, a)
+    # the default never refuses what meets now, and holds what only the margin k keeps out (k never refuses)
+    assert decide([busy("a", 600, **band)], prompt_tokens=100, cfg=AdmissionConfig()).action == "admit"
+    held = decide([busy("a", 600, ttft_slo_margin=1.5, **band)], prompt_tokens=100, cfg=AdmissionConfig())
+    assert held.action == "hold"
+    with pytest.raises(ValueError, match="hold_drain"):
+        AdmissionConfig(hold_drain="sometimes")
 
 
 def test_full_queue_refuses_and_a_held_request_expires_at_its_deadline():
@@ -167,7 +214,8 @@ def test_router_admits_a_request_that_meets_its_slo_even_while_others_of_its_cla
 
     async def run():
         t = [100.0]
-        cfg = RouterConfig(workers=(WorkerSpec("http://a"),), rate_priors=RatePriors(ttft_base_s=0.0, prefill_rate_tps=1000.0))
+        cfg = RouterConfig(workers=(WorkerSpec("http://a"),), rate_priors=RatePriors(ttft_base_s=0.0, prefill_rate_tps=1000.0),
+                           admission=LEADING)
         router = Router(cfg, clock=lambda: t[0])
         w = router.pool.get("http://a")
         w.healthy, w.rates.prefill.samples = True, 5
@@ -182,6 +230,50 @@ def test_router_admits_a_request_that_meets_its_slo_even_while_others_of_its_cla
         assert small.worker == "http://a"  # 0.95 s predicted: admitted at once
         assert router.queues.depths()["interactive"] == 1 and not big_task.done()
         big_task.cancel()
+        await router.close()
+
+    asyncio.run(run())
+
+
+def test_router_refuses_at_once_a_request_queued_behind_held_ones_it_cannot_outlast():
+    """Router-level: the held requests of its class ahead of a new one are in its snapshot. Three held
+    requests of 0.2 s each sit in front of a fourth: behind them it needs 1.7 s (predicted) for a 1 s SLO,
+    more than draining at the band's fastest rate can recover before its 0.5 s hold deadline, so the 429
+    is immediate (the old snapshot saw 1.1 s, held it, and refused it 0.5 s later). Once the held ones are
+    gone (their clients left) the same request is held again."""
+    import asyncio
+
+    from tokenmill.router.config import RouterConfig
+    from tokenmill.router.prefix_index import PrefixIndexConfig
+    from tokenmill.router.prompt import prompt_key
+    from tokenmill.router.rates import RatePriors
+    from tokenmill.router.router import Refused, Router
+    from tokenmill.router.worker_state import WorkerSpec
+
+    async def run():
+        t = [100.0]
+        cfg = RouterConfig(workers=(WorkerSpec("http://a"),), rate_priors=RatePriors(ttft_base_s=0.0, prefill_rate_tps=1000.0),
+                           admission=LEADING)
+        router = Router(cfg, clock=lambda: t[0])
+        w = router.pool.get("http://a")
+        w.healthy, w.rates.prefill.samples = True, 5
+        w.ttft_error_hi.value, w.ttft_error_lo.value = 1.0, 0.5
+        w.start("earlier", 900, 0.9, now=t[0])  # 0.9 s of prefill queued there
+        key = lambda n: prompt_key({"prompt": list(range(n))}, False, PrefixIndexConfig())  # noqa: E731
+        held = [asyncio.ensure_future(router.acquire(router.new_request(key(200), INTERACTIVE, 4))) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert router.queues.depths()["interactive"] == 3 and not any(h.done() for h in held)
+        with pytest.raises(Refused) as e:
+            await asyncio.wait_for(router.acquire(router.new_request(key(200), INTERACTIVE, 4)), 0.1)
+        assert (e.value.status, e.value.reason) == (429, "slo")
+        assert t[0] == 100.0  # refused with no time passing: not at a hold deadline
+        for h in held:
+            h.cancel()
+        await asyncio.sleep(0)
+        again = asyncio.ensure_future(router.acquire(router.new_request(key(200), INTERACTIVE, 4)))
+        await asyncio.sleep(0)
+        assert router.queues.depths()["interactive"] == 1 and not again.done()
+        again.cancel()
         await router.close()
 
     asyncio.run(run())

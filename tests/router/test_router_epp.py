@@ -308,7 +308,9 @@ def test_admission_refusal_is_an_immediate_429_with_retry_after():
 
 def test_a_request_held_by_admission_waits_in_its_stream_and_is_picked_when_work_finishes():
     cls = WorkloadClass("interactive", ttft_slo_s=3.0, tpot_slo_s=1.0, priority=0, max_queue=8, max_wait_s=2.5)
-    router = make_router(classes=(cls,), admission=AdmissionConfig(mode="leading"))
+    # hold_drain="fast": the queued work finishing early (below) is what holding bets on; the default (slow)
+    # refuses this request at once
+    router = make_router(classes=(cls,), admission=AdmissionConfig(mode="leading", hold_drain="fast"))
     busy = [(w, w.start("busy", 30_000, 3.6, router.clock(), max_tokens=1)) for w in router.pool]  # ~3.7 s queued
 
     async def main(envoy, server):

@@ -367,7 +367,8 @@ class LLMEngine:
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             num_steps=self.num_steps, kv_tiers=self.tiers.stats() if self.tiers is not None else {},
             kv_tiers_engine=self.tiers.engine_stats() if self.tiers is not None else {},
-            spec=self.spec.stats.copy() if self.spec is not None else None)
+            spec=self.spec.stats.copy() if self.spec is not None else None,
+            kv_blocks_cached=len(pool.cached), kv_evictions_total=pool.num_evictions)
 
     def _weights_note(self) -> str:
         if self.model_config.quantization:

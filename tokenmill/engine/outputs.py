@@ -57,6 +57,8 @@ class EngineStats:
     kv_tiers: dict[str, dict[str, float]] = field(default_factory=dict)  # tier name -> counters (KVTiers.stats)
     kv_tiers_engine: dict[str, float] = field(default_factory=dict)  # the tiers as a whole (KVTiers.engine_stats)
     spec: "SpecStats | None" = None  # speculative decoding counters (None: off); engine/spec/stats.py
+    kv_blocks_cached: int = 0  # blocks holding prefix-cache content (in use or free); at most kv_blocks_total
+    kv_evictions_total: int = 0  # cached blocks whose content was evicted for reuse (cumulative)
 
     @property
     def kv_usage(self) -> float:

@@ -17,9 +17,19 @@ The predictor's current error margin on w is the band [lo_w, hi_w] of observed /
 ~p10 and ~p90 over its recent first tokens, worker_state.py): a request is admitted where even the
 prediction times hi_w x k_w fits its budget, and refused at once (429, Retry-After = the predicted excess)
 only when on every worker even the prediction times lo_w misses it — the best candidate's prediction
-exceeds the budget by more than the predictor's error margin:
+exceeds the budget by more than the predictor's error margin — counting, for a request that would be
+held, the held requests that go before it (its class's older ones and the higher-priority classes', their
+work spread evenly over the workers: `behind_ttft_s`), since it is dispatched only after them:
 
-    refuse    when for every w: predicted_ttft_s(w) x lo_w > budget_s
+    refuse    when for every w: behind_ttft_s(w) x lo_w > budget_s
+              or, with wait_s = hold deadline - now, even that work drained at the band's fastest rate
+              (1 / lo_w predicted seconds per second) until the hold deadline leaves
+              max(0, behind_ttft_s(w) - wait_s / lo_w) x hi_w > budget_s - wait_s   (or > the idle budget)
+              i.e. the admission test (k_w = 1) would still fail at the hold deadline: holding only delays the 429
+
+Without the held work ahead (the earlier rule) a request arriving behind a long queue saw only the
+dispatched work, was held, and was refused at its hold deadline: at 2x the sustainable rate the 429s came
+after ~1.9 s (docs/benchmarks/engine_process.md).
 
 k_w >= 1 widens the band's upper end where admitted requests still miss their deadline: it is steered from
 outcomes, per first token, to ~3% of the requests admitted there missing their TTFT deadline
@@ -55,9 +65,11 @@ from dataclasses import dataclass
 
 from tokenmill.router.classes import WorkloadClass
 from tokenmill.router.policies import RouteChoice
-from tokenmill.router.snapshot import RouteSnapshot, WorkerView, own_prefill_s, predicted_tpot_s, predicted_ttft_s
+from tokenmill.router.snapshot import (RouteSnapshot, WorkerView, behind_ttft_s, own_prefill_s, predicted_tpot_s,
+                                      predicted_ttft_s)
 
 MODES = ("leading", "lagging", "off")
+HOLD_DRAINS = ("fast", "expected", "slow")
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,10 @@ class AdmissionConfig:
     warmup_samples: int = 2  # slow start: one pending prefill per worker until its rate has this many samples
     lagging_ttft_factor: float = 1.0
     lagging_max_waiting: int = 8
+    # how fast the work in front of a held request is assumed to drain when judging whether holding it can
+    # still get it admitted before its hold deadline: "fast" 1 / lo_w predicted s per s (the band's fast end),
+    # "expected" 1 (the calibrated prediction), "slow" 1 / hi_w
+    hold_drain: str = "slow"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -76,6 +92,8 @@ class AdmissionConfig:
             raise ValueError(f"admission idle_headroom must be in (0, 1], got {self.idle_headroom}")
         if self.warmup_samples < 0:
             raise ValueError(f"admission warmup_samples must be >= 0, got {self.warmup_samples}")
+        if self.hold_drain not in HOLD_DRAINS:
+            raise ValueError(f"unknown admission hold_drain {self.hold_drain!r}; choose from {', '.join(HOLD_DRAINS)}")
         if self.lagging_ttft_factor <= 0 or self.lagging_max_waiting < 0:
             raise ValueError("admission lagging thresholds must be positive")
 
@@ -147,7 +165,21 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
         return Admission("admit", best.url, pred[best.url])
 
     gap_s = max(0.0, min(pred.values()) - min(budget, idle_budget))
-    if all(pred[u] * w.ttft_error_lo > budget for u, w in workers.items()):
+    wait_s = max(0.0, cls.hold_deadline_s(r.arrival_s, min(w.ttft_base_s for w in workers.values())) - r.now)
+    share = 1.0 / len(workers)  # the held requests ahead spread evenly over the workers (the optimistic split)
+
+    def hopeless(w: WorkerView) -> bool:
+        """Held, it would be refused anyway: even the optimistic end of its TTFT behind the held requests
+        ahead misses the budget now, or their work drained by its hold deadline at the band's fastest rate
+        (1 / lo predicted seconds per second) still leaves more than the admission test then allows."""
+        behind = behind_ttft_s(w, r, share)
+        if behind * w.ttft_error_lo > budget:
+            return True
+        drain = {"fast": 1.0 / w.ttft_error_lo, "expected": 1.0, "slow": 1.0 / w.ttft_error_hi}[cfg.hold_drain]
+        left_s = max(0.0, behind - wait_s * drain)
+        return left_s * w.ttft_error_hi > min(budget - wait_s, idle_budget)  # k_w never causes a refusal
+
+    if all(hopeless(w) for w in workers.values()):
         return Admission("reject", reason="deadline" if held else "slo", retry_after_s=gap_s)
     return _hold(snap, cls, workers, gap_s, queue_room, held, "slo")
 

@@ -53,6 +53,7 @@ class RequestCtx:
     first_token_s: float | None = None
     choice: RouteChoice | None = None  # the routing policy's latest choice for it (metrics only)
     only: frozenset[str] | None = None  # worker URLs it may go to (the EPP's subset hint); None: all
+    uncached_tokens: int | None = None  # least uncached prompt tokens over the workers at its latest decision
 
 
 class Router:
@@ -132,9 +133,35 @@ class Router:
                 continue
             hit, chunks[w.url] = self.cached_prefix(ctx, w, now)
             views.append(w.view(hit, now))
+        if views:
+            ctx.uncached_tokens = min(max(0, ctx.prompt_tokens - v.cached_prefix_tokens) for v in views)
+        n_ahead, tokens_ahead = self.held_ahead(ctx)
         req = RouteRequest(ctx.request_id, now, ctx.arrival_s, ctx.prompt_tokens, ctx.cls.name, ctx.seq,
-                           ctx.max_tokens, frozenset(ctx.tried), ctx.cls.ttft_slo_s - (now - ctx.arrival_s))
+                           ctx.max_tokens, frozenset(ctx.tried), ctx.cls.ttft_slo_s - (now - ctx.arrival_s),
+                           n_ahead, tokens_ahead)
         return RouteSnapshot(tuple(views), req), chunks
+
+    def held_ahead(self, ctx: RequestCtx) -> tuple[int, int]:
+        """(requests, their least uncached prompt tokens) held that are dispatched before ctx if it is held:
+        every held request of a higher-priority class, and those of its own class queued before it (all of
+        them when ctx is not held yet). Only the ones `goes_before(ctx, other)` admits are counted."""
+        n = tokens = 0
+        for cls in self.queues.classes:
+            if cls.priority > ctx.cls.priority:
+                break
+            same = cls.name == ctx.cls.name
+            for h in self.queues[cls.name]:
+                if same and h.ctx is ctx:
+                    break
+                if h.future.done() or not self.goes_before(ctx, h.ctx):
+                    continue
+                n += 1
+                tokens += h.ctx.uncached_tokens if h.ctx.uncached_tokens is not None else h.ctx.prompt_tokens
+        return n, tokens
+
+    def goes_before(self, ctx: RequestCtx, other: RequestCtx) -> bool:
+        """Whether the held `other` is served before ctx (a caller with its own ordering narrows this)."""
+        return other.cls.priority < ctx.cls.priority or other.cls.name == ctx.cls.name
 
     def cached_prefix(self, ctx: RequestCtx, w: WorkerState, now: float) -> tuple[int, int]:
         """(estimated cached prompt tokens of ctx on w, prefix-index chunks matched): the prefix index's

@@ -9,6 +9,9 @@ Everything here is frozen and clock-free: the router builds a `RouteSnapshot` fr
     external_w     = max(0, worker-reported queued prompt tokens - whole prompts this router has pending there)
                      (last scrape; the gauge counts a waiting request's whole prompt, cached part included)
 
+    behind TTFT    = the same with the held requests ahead of it (RouteRequest.ahead_*) added in front
+                     (spread evenly over the workers): what it waits for if it is held
+
 ttft_base_s_w (per-request overhead) and prefill_rate_tps_w (per uncached token) are the worker's learned
 prefill fit (rates.PrefillFit): the requests whose prefill is pending there, and this one, each cost the
 overhead once plus their uncached tokens at the rate.
@@ -66,6 +69,8 @@ class RouteRequest:
     max_tokens: int = 16
     exclude: frozenset[str] = frozenset()  # workers already tried for this request (retries)
     ttft_budget_s: float = float("inf")  # what is left of its class's TTFT SLO (class SLO - time waited)
+    ahead_requests: int = 0  # requests held (router class queues) that go before this one: its class's older ones,
+    ahead_tokens: int = 0  # higher-priority classes'; and their least uncached prompt tokens over the workers
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,12 @@ def queued_prefill_tokens(w: WorkerView) -> int:
 
 def predicted_ttft_s(w: WorkerView, r: RouteRequest) -> float:
     return w.ttft_calibration * prefill_time_s(w, w.prefill_requests + 1, queued_prefill_tokens(w) + uncached_tokens(w, r))
+
+
+def behind_ttft_s(w: WorkerView, r: RouteRequest, share: float = 1.0) -> float:
+    """predicted_ttft_s if this request waits for the held ones ahead of it (`share` of them go to w)."""
+    return w.ttft_calibration * prefill_time_s(w, w.prefill_requests + 1 + share * r.ahead_requests,
+                                               queued_prefill_tokens(w) + uncached_tokens(w, r) + share * r.ahead_tokens)
 
 
 def own_prefill_s(w: WorkerView, r: RouteRequest) -> float:

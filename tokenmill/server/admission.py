@@ -124,6 +124,13 @@ class _EngineRouter(Router):
     def remember(self, url: str, ctx: RequestCtx, now: float) -> None:
         pass  # the engine's cache is the index
 
+    def goes_before(self, ctx: RequestCtx, other: RequestCtx) -> bool:
+        """The engine's order: priority, then cheap before the rest within one level (a held cheap request
+        waits only for the cheap ones held before it; every other request waits for all of them)."""
+        if other.cls.priority != ctx.cls.priority:
+            return other.cls.priority < ctx.cls.priority
+        return other.cls.name == ctx.cls.name and (not getattr(ctx, "cheap", False) or getattr(other, "cheap", False))
+
 
 class ServerAdmission:
     def __init__(self, engine, cfg: ServerAdmissionConfig | None = None, clock=time.perf_counter):

@@ -47,6 +47,11 @@ def add_parser(sub) -> None:
     p.add_argument("--admission", default="leading", choices=["leading", "lagging", "off"],
                    help="admission control: leading (predicted TTFT from queued uncached prefill), lagging "
                         "(observed latency; a baseline), off (default: %(default)s)")
+    p.add_argument("--admission-hold-drain", default="slow", choices=["fast", "expected", "slow"],
+                   help="leading admission: how fast the work in front of a request is assumed to drain when "
+                        "judging whether holding it can still get it admitted before its hold deadline; slow "
+                        "refuses at once what does not meet its SLO now (fast 429s under overload), fast holds "
+                        "within the predictor's whole error band (default: %(default)s)")
     p.add_argument("--slo", action="append", default=[], metavar="CLASS:ttft=MS,tpot=MS",
                    help="a workload class's SLOs (repeatable; CLASS may be * for all). Defaults: "
                         + ", ".join(f"{c.name} ttft={c.ttft_slo_s * 1000:g} tpot={c.tpot_slo_s * 1000:g}"
@@ -97,7 +102,7 @@ def admission_config_from_args(args):
     if args.default_class not in classes:
         raise CLIError(f"--default-class {args.default_class!r}: choose from {', '.join(classes)}")
     return ServerAdmissionConfig(classes=tuple(classes.values()), default_class=args.default_class,
-                                 admission=AdmissionConfig(mode=args.admission))
+                                 admission=AdmissionConfig(mode=args.admission, hold_drain=args.admission_hold_drain))
 
 
 def run(args) -> int:
