@@ -46,6 +46,14 @@ class StepBudgetConfig:
             raise ValueError("step budget needs decay in (0, 1) and prior_weight > 0")
 
 
+def step_composition(sched) -> tuple[int, int]:
+    """(decode_seqs, prefill_tokens) of a scheduled step (a SchedulerOutput) as the step-time model counts
+    them: a decode is a sequence of one token with its logit; every other token batched is prefill. The one
+    definition for the engine (LLMEngine.step) and the simulator (sim/worker.py)."""
+    decodes = sum(1 for s in sched.seqs if len(s.token_ids) == 1 and s.num_logits)
+    return decodes, sched.num_batched_tokens - decodes
+
+
 class StepBudget:
     def __init__(self, cfg: StepBudgetConfig | None = None):
         self.cfg = c = cfg or StepBudgetConfig()
@@ -96,6 +104,11 @@ class StepBudget:
     def predict_s(self, decode_seqs: int, prefill_tokens: int) -> float:
         base, per_decode, per_prefill = self.coef
         return float(base + per_decode * decode_seqs + per_prefill * prefill_tokens)
+
+    def budget_for(self, scheduler, max_tokens: int) -> int:
+        """token_budget for a Scheduler's next step: its decoding requests and their tightest TPOT SLO (the
+        engine's step loop and the simulator's worker both size steps through this)."""
+        return self.token_budget(scheduler.num_decoding(), scheduler.tightest_tpot_slo_s(), max_tokens)
 
     def token_budget(self, decode_seqs: int, tpot_slo_s: float | None, max_tokens: int) -> int:
         """Tokens (decodes included) the next step may batch."""

@@ -3,10 +3,10 @@ step-budget model, with the model runner replaced by a cost model.
 
 One step, as the server's engine thread runs it (server/async_engine.py `_step`):
 
-    budget = step_budget.token_budget(decoding, tightest TPOT SLO, max_num_batched_tokens)
+    budget = step_budget.budget_for(scheduler, max_num_batched_tokens)   # as server/engine_core.py
     sched  = scheduler.schedule(now, budget)          # the real scheduler: admission, chunking, preemption
     step_s = cost_model.step_s(StepShape.of(sched))   # instead of runner.execute(sched)
-    step_budget.observe(decodes, prefill tokens, step_s)
+    step_budget.observe(*step_composition(sched), step_s)                # as LLMEngine.step + engine_core
     at now + step_s: every sequence with a logit gets one output token; a request ends at max_tokens or
                      max_model_len (LLMEngine._check_stop's length rules; no EOS: the sim has no model)
 
@@ -27,7 +27,7 @@ from tokenmill.engine.kv.kv_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
-from tokenmill.engine.step_budget import StepBudget, StepBudgetConfig
+from tokenmill.engine.step_budget import StepBudget, StepBudgetConfig, step_composition
 from tokenmill.sim import decode_run
 from tokenmill.sim.clock import EventLoop
 from tokenmill.sim.cost_model import CostModel, StepShape
@@ -112,14 +112,13 @@ class SimWorker:
 
     def _step(self) -> None:
         s = self.scheduler
-        budget = self.step_budget.token_budget(s.num_decoding(), s.tightest_tpot_slo_s(), self.cfg.max_num_batched_tokens)
-        sched = s.schedule(self.loop.now, budget)
+        sched = s.schedule(self.loop.now, self.step_budget.budget_for(s, self.cfg.max_num_batched_tokens))
         if sched.empty:
             self.busy = False
             return
         shape = StepShape.of(sched)
         step_s = self.cost.step_s(shape)
-        self.step_budget.observe(shape.decode_seqs, sched.num_batched_tokens - shape.decode_seqs, step_s)
+        self.step_budget.observe(*step_composition(sched), step_s)
         self.busy = True
         self.steps += 1
         self.busy_s += step_s
