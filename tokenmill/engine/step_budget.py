@@ -106,8 +106,9 @@ class StepBudget:
         return float(base + per_decode * decode_seqs + per_prefill * prefill_tokens)
 
     def budget_for(self, scheduler, max_tokens: int) -> int:
-        """token_budget for a Scheduler's next step: its decoding requests and their tightest TPOT SLO (the
-        engine's step loop and the simulator's worker both size steps through this)."""
+        """token_budget for the next step of `scheduler` (a Scheduler, or an engine with the same two methods):
+        its decoding requests and their tightest TPOT SLO (the engine's step loop and the simulator's worker
+        both size steps through this)."""
         return self.token_budget(scheduler.num_decoding(), scheduler.tightest_tpot_slo_s(), max_tokens)
 
     def token_budget(self, decode_seqs: int, tpot_slo_s: float | None, max_tokens: int) -> int:

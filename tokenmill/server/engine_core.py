@@ -174,7 +174,7 @@ class EngineCore:
 
     def _step(self, res: StepResult) -> None:
         eng = self.engine
-        budget = self.step_budget.budget_for(eng.scheduler, eng.config.max_num_batched_tokens)
+        budget = self.step_budget.budget_for(eng, eng.config.max_num_batched_tokens)
         res.stepped = True
         res.t0 = t0 = time.perf_counter()
         try:
