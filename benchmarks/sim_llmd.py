@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--rates", default="6,10,14")
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--slo", default="ttft=10000,tpot=100")
-    ap.add_argument("--policies", default="prefix,prefix-load")
+    ap.add_argument("--policies", default="prefix-only,prefix-load")
     ap.add_argument("--zipf", type=float, default=0.0, help="group popularity skew (shared-prefix zipf=)")
     ap.add_argument("--out", default="/tmp/sim_llmd")
     args = ap.parse_args()

@@ -10,9 +10,11 @@ blocks (the rest unique) -- written to --out. The model/hardware: Llama-3.1-8B o
 (roofline), prefix-load routing with leading admission, `--no-token-times` (no per-token record). The load is
 `--per-worker-rate` requests/s per worker. Wall time is split by a least-squares fit
 
-    wall_s = a x engine steps + b x requests + c x requests x workers      (c: the router's O(N) snapshot)
+    wall_s = a x events + b x requests + c x requests x workers      (c: the router's O(N) snapshot)
 
-and the target is extrapolated from the fit (with the steps and requests per worker-second measured).
+and the target is extrapolated from the fit (with the events and requests per worker-second measured).
+`--stepping`: each size also runs with fast-forward off (every decode step an event), same trace, and the
+table gets the wall-time ratio and a check that both runs gave the same per-request results.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=60.0, help="simulated seconds of arrivals per run")
     ap.add_argument("--per-worker-rate", type=float, default=1.5, help="requests/s per worker")
     ap.add_argument("--out", default="/tmp/sim_speed")
+    ap.add_argument("--stepping", action="store_true", help="also run every size with fast-forward off")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -63,37 +65,46 @@ def main() -> None:
     print(f"python {sys.version.split()[0]}; trace {trace} ({n} rows)")
     rows = []
     for w in sizes:
-        cfg = SimConfig(model="llama-3.1-8b", hardware="h100", out=out / f"w{w}", workers=w, router=RouterConfig(),
-                        workloads=(f"trace:{trace}",),
-                        load=LoadConfig("rate", rate=w * args.per_worker_rate, duration_s=args.duration),
-                        plots=False, record_chunks=False)
-        t0 = time.perf_counter()
-        result, sim = run_simulation(cfg)
-        wall = time.perf_counter() - t0
-        lvl, s = sim["levels"][0], result.runs[0].summary
-        rows.append((w, s.requests, lvl["steps"], lvl["events"], lvl["wall_s"], wall, lvl["simulated_s"], s))
-    print("\n| workers | requests | steps | events | sim wall s | events/s | simulated s | sim-s per wall-s | "
-          "completed | TTFT p50 ms | TPOT p50 ms |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for w, req, steps, ev, wall, total, simulated, s in rows:
-        print(f"| {w} | {req} | {steps} | {ev} | {wall:.1f} | {ev / wall:.0f} | {simulated:.0f} | "
-              f"{simulated / wall:.2f} | {s.completed} | {s.ttft_ms.p50 if s.ttft_ms else 0:.0f} | "
-              f"{s.tpot_ms.p50 if s.tpot_ms else 0:.1f} |")
-    x = np.array([[steps, req, req * w] for w, req, steps, *_ in rows], dtype=float)
+        runs = []
+        for ff in ((True, False) if args.stepping else (True,)):
+            cfg = SimConfig(model="llama-3.1-8b", hardware="h100", out=out / f"w{w}", workers=w,
+                            router=RouterConfig(), workloads=(f"trace:{trace}",),
+                            load=LoadConfig("rate", rate=w * args.per_worker_rate, duration_s=args.duration),
+                            plots=False, record_chunks=False, fast_forward=ff)
+            result, sim = run_simulation(cfg)
+            runs.append((result, sim["levels"][0]))
+        (result, lvl), s = runs[0], runs[0][0].runs[0].summary
+        step = runs[1] if args.stepping else None
+        same = step is not None and [r.to_json() for r in result.runs[0].records] == \
+            [r.to_json() for r in step[0].runs[0].records]
+        rows.append((w, s.requests, lvl["steps"], lvl["events"], lvl["wall_s"], lvl["simulated_s"], s,
+                     step[1] if step else None, same))
+    print("\n| workers | requests | engine steps | events | wall s | events/s | steps/s | simulated s | "
+          "sim-s per wall-s | completed | TTFT p50 ms | TPOT p50 ms | stepping: events | wall s | x faster | "
+          "same results |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for w, req, steps, ev, wall, simulated, s, step, same in rows:
+        st = (f"{step['events']} | {step['wall_s']:.1f} | {step['wall_s'] / wall:.1f} | {'yes' if same else 'NO'}"
+              if step else "- | - | - | -")
+        print(f"| {w} | {req} | {steps} | {ev} | {wall:.1f} | {ev / wall:.0f} | {steps / wall:.0f} | "
+              f"{simulated:.0f} | {simulated / wall:.2f} | {s.completed} | {s.ttft_ms.p50 if s.ttft_ms else 0:.0f} | "
+              f"{s.tpot_ms.p50 if s.tpot_ms else 0:.1f} | {st} |")
+    x = np.array([[ev, req, req * w] for w, req, steps, ev, *_ in rows], dtype=float)
     y = np.array([r[4] for r in rows])
     from tokenmill.sim.cost_model import nnls
 
     a, b, c = nnls(x, y)
-    steps_per_worker_s = np.mean([r[2] / (r[0] * r[6]) for r in rows])
+    events_per_worker_s = np.mean([r[3] / (r[0] * r[5]) for r in rows])
     target_w, target_s = 1000, 3600.0
     req_total = target_w * args.per_worker_rate * target_s
-    steps_total = steps_per_worker_s * target_w * target_s
-    est = a * steps_total + b * req_total + c * req_total * target_w
-    print(f"\nfit: {1e6 * a:.1f} us per engine step, {1e3 * b:.2f} ms per request, {1e6 * c:.2f} us per request per "
+    events_total = events_per_worker_s * target_w * target_s
+    est = a * events_total + b * req_total + c * req_total * target_w
+    print(f"\nfit: {1e6 * a:.1f} us per event, {1e3 * b:.2f} ms per request, {1e6 * c:.2f} us per request per "
           f"worker (routing snapshot)")
     print(f"1,000 workers x 1 h at {args.per_worker_rate:g} req/s/worker: {req_total:.3g} requests, "
-          f"{steps_total:.3g} steps -> {est / 60:.0f} min wall (one process) "
-          f"[{a * steps_total / 60:.0f} steps + {b * req_total / 60:.0f} requests + {c * req_total * target_w / 60:.0f} routing]")
+          f"{events_total:.3g} events -> {est / 60:.0f} min wall (one process) "
+          f"[{a * events_total / 60:.0f} events + {b * req_total / 60:.0f} requests + "
+          f"{c * req_total * target_w / 60:.0f} routing]")
 
 
 if __name__ == "__main__":

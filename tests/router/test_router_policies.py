@@ -177,3 +177,13 @@ def test_prefix_load_guard_spreads_only_to_a_worker_that_can_meet_the_ttft_budge
     assert (choice.worker, choice.reason) == ("hot", "saturated")
     # without a budget (a snapshot that carries none) the guard applies as before
     assert get_policy("prefix-load")(snap(*views, prompt_tokens=832), P).worker == "cold"
+
+
+def test_prefix_only_follows_the_cache_whatever_the_load_and_spreads_ties_uniformly():
+    hot = WorkerView("hot", cached_prefix_tokens=512, outstanding=50, prefill_tokens=100000)
+    cold = [WorkerView(f"c{i}") for i in range(3)]
+    assert all(get_policy("prefix-only")(snap(*cold, hot, seq=i), P).worker == "hot" for i in range(50))
+    picks = [get_policy("prefix-only")(snap(*cold, seq=i), P).worker for i in range(3000)]
+    counts = [picks.count(w.url) for w in cold]
+    assert all(900 < c < 1100 for c in counts), counts  # ~1000 each: no load term, no fixed order
+    assert picks == [get_policy("prefix-only")(snap(*cold, seq=i), P).worker for i in range(3000)]  # reproducible

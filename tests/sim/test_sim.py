@@ -284,3 +284,58 @@ def test_sim_takes_every_workload_flag_of_bench():
               "--num-requests", "--slo", "--out", "--seed", "--sweep-target", "--sweep-trials", "--sweep-tol",
               "--no-plots"}
     assert shared <= bench and shared <= sim_
+
+
+# -- fast-forward of steady decode: exactly the results of stepping ----------------------------------
+
+FF_CASES = [  # workload, load, workers, policy, admission, extra SimConfig
+    ("chat", LoadConfig("rate", rate=8, num_requests=80), 2, "prefix-load", "leading", {}),
+    ("shared-prefix:groups=4,prompts=4,system=256,question=32,output=64", LoadConfig("rate", rate=20, num_requests=60),
+     3, "prefix", "off", {"kv_cache_bytes": 3 << 20}),
+    # a KV pool of ~340 tokens for 8 streams: runs end where the pool would run out, preemptions
+    ("batch:prompt=64,output=300,spread=0.5", LoadConfig("concurrency", concurrency=8, num_requests=40), 1,
+     "round-robin", "off", {"kv_cache_bytes": 1 << 20}),
+    ("batch:prompt=64,output=200", LoadConfig("concurrency", concurrency=5, num_requests=30), 1, "round-robin", "off",
+     {"block_size": 1}),
+]
+
+
+def test_fast_forward_gives_exactly_the_results_of_stepping(tmp_path):
+    """Every request's send, first-token, every token's time, end, status and cached tokens, the steps, busy
+    time and output tokens are identical with the steady decode runs fast-forwarded and stepped one by one,
+    on four workloads that cover runs cut short by arrivals, runs ended by a full KV pool, preemption and
+    one-token blocks; with fast-forward the event count drops."""
+    hw = profile(tmp_path, [0.002, 2e-5, 1e-4, 1e-8, 1e-7, 1e-4])
+    seen = {"cut": 0, "block_limited": 0}
+    for wl, load, workers, policy, admission, kw in FF_CASES:
+        (a, la), (b, lb) = [sim(tmp_path, hw, wl, load, workers=workers, policy=policy, admission=admission,
+                                fast_forward=ff, **kw) for ff in (False, True)]
+        recs_a, recs_b = a.runs[0].records, b.runs[0].records
+        assert [r.to_json() for r in recs_a] == [r.to_json() for r in recs_b], wl
+        assert all(r.chunk_s for r in recs_b if r.ok and r.output_tokens > 1)
+        la, lb = la["levels"][0], lb["levels"][0]
+        for key in ("steps", "output_tokens", "mean_worker_busy", "simulated_s"):
+            assert la[key] == lb[key], (wl, key)
+        assert la["fast_forward"]["runs"] == 0 and lb["fast_forward"]["runs"] > 0
+        assert lb["events"] < la["events"]
+        for k in seen:
+            seen[k] += lb["fast_forward"][k]
+    assert seen["cut"] > 0 and seen["block_limited"] > 0  # both ways a run ends early were exercised
+
+
+def test_step_budget_observe_many_is_bitwise_the_per_step_update():
+    """observe_many (one solve) against the numpy recursion written out here: a <- d a + x x^T, b <- d b + x s."""
+    from tokenmill.engine.step_budget import StepBudget
+
+    rng = np.random.default_rng(3)
+    batch, ref = StepBudget(), StepBudget()
+    a, b = ref._a.copy(), ref._b.copy()
+    for _ in range(50):
+        d, p = int(rng.integers(0, 40)), int(rng.choice([0, rng.integers(1, 2000)]))
+        secs = list(rng.uniform(0.001, 0.05, int(rng.integers(1, 30))))
+        batch.observe_many(d, p, secs)
+        x = np.array([1.0, d, p])
+        for s in secs:
+            a, b = 0.98 * a + np.outer(x, x), 0.98 * b + x * s
+    assert (batch._a == a).all() and (batch._b == b).all()
+    assert (batch.coef == np.maximum(np.linalg.solve(a, b), [0, 0, 1e-7])).all()

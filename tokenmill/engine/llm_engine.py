@@ -17,6 +17,7 @@ from tokenmill.engine.runner import ModelOutput, ModelRunner
 from tokenmill.engine.sampler import Sampler
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenmill.engine.step_budget import step_composition
 from tokenmill.errors import EngineOverloadedError, InvalidRequestError, ModelLoadError
 from tokenmill.model.config import ModelConfig
 from tokenmill.hardware import capabilities
@@ -185,8 +186,7 @@ class LLMEngine:
         if self.tiers is not None and sched.preempted:
             self.tiers.preempted(sched.preempted)
         self.last_first_scheduled = sched.first_scheduled  # for callers that time the waiting phase
-        self.last_step_decodes = sum(1 for s in sched.seqs if len(s.token_ids) == 1 and s.num_logits)
-        self.last_step_prefill_tokens = sched.num_batched_tokens - self.last_step_decodes
+        self.last_step_decodes, self.last_step_prefill_tokens = step_composition(sched)
         if sched.empty:
             if self.tiers is not None and self.tiers.loading:  # only parked requests: wait for a load, briefly
                 self.tiers.wait(min(TIER_IDLE_WAIT_S, self.tiers.next_deadline() - time.perf_counter()))

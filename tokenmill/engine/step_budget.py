@@ -46,6 +46,14 @@ class StepBudgetConfig:
             raise ValueError("step budget needs decay in (0, 1) and prior_weight > 0")
 
 
+def step_composition(sched) -> tuple[int, int]:
+    """(decode_seqs, prefill_tokens) of a scheduled step (a SchedulerOutput) as the step-time model counts
+    them: a decode is a sequence of one token with its logit; every other token batched is prefill. The one
+    definition for the engine (LLMEngine.step) and the simulator (sim/worker.py)."""
+    decodes = sum(1 for s in sched.seqs if len(s.token_ids) == 1 and s.num_logits)
+    return decodes, sched.num_batched_tokens - decodes
+
+
 class StepBudget:
     def __init__(self, cfg: StepBudgetConfig | None = None):
         self.cfg = c = cfg or StepBudgetConfig()
@@ -59,22 +67,49 @@ class StepBudget:
 
     def observe(self, decode_seqs: int, prefill_tokens: int, seconds: float) -> None:
         """One step ran `decode_seqs` decode tokens and `prefill_tokens` prompt tokens in `seconds`."""
-        if not (seconds > 0 and math.isfinite(seconds)) or decode_seqs + prefill_tokens <= 0:
+        self.observe_many(decode_seqs, prefill_tokens, (seconds,))
+
+    def observe_many(self, decode_seqs: int, prefill_tokens: int, seconds) -> None:
+        """Consecutive steps of the same shape that ran in `seconds` (one per step): the same state as one
+        `observe` per step, in the same float operations (the simulator's fast-forward of decode-only steps
+        relies on that), with one solve at the end instead of one per step."""
+        x = (1.0, float(decode_seqs), float(prefill_tokens))
+        if decode_seqs + prefill_tokens <= 0:
             return
-        x = np.array([1.0, float(decode_seqs), float(prefill_tokens)])
         d = self.cfg.decay
-        self._a = d * self._a + np.outer(x, x)
-        self._b = d * self._b + x * seconds
+        a = self._a.tolist()
+        b = self._b.tolist()
+        xx = [[xi * xj for xj in x] for xi in x]
+        n = 0
+        for s in seconds:
+            if not (s > 0 and math.isfinite(s)):
+                continue
+            for i in range(3):
+                ai, xxi = a[i], xx[i]
+                for j in range(3):
+                    ai[j] = d * ai[j] + xxi[j]
+                b[i] = d * b[i] + x[i] * s
+            n += 1
+        if not n:
+            return
+        self._a = np.array(a)
+        self._b = np.array(b)
         try:
             coef = np.linalg.solve(self._a, self._b)
         except np.linalg.LinAlgError:
             return
         self.coef = np.maximum(coef, [0.0, 0.0, 1e-7])  # a step never gets cheaper with more work
-        self.samples += 1
+        self.samples += n
 
     def predict_s(self, decode_seqs: int, prefill_tokens: int) -> float:
         base, per_decode, per_prefill = self.coef
         return float(base + per_decode * decode_seqs + per_prefill * prefill_tokens)
+
+    def budget_for(self, scheduler, max_tokens: int) -> int:
+        """token_budget for the next step of `scheduler` (a Scheduler, or an engine with the same two methods):
+        its decoding requests and their tightest TPOT SLO (the engine's step loop and the simulator's worker
+        both size steps through this)."""
+        return self.token_budget(scheduler.num_decoding(), scheduler.tightest_tpot_slo_s(), max_tokens)
 
     def token_budget(self, decode_seqs: int, tpot_slo_s: float | None, max_tokens: int) -> int:
         """Tokens (decodes included) the next step may batch."""

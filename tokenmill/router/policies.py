@@ -3,6 +3,9 @@
     round-robin   the (seq mod n)-th routable worker
     least-load    fewest outstanding requests; ties: least outstanding work (queue_w, below)
     prefix        longest estimated cached prefix; ties (and no hit anywhere): least-load
+    prefix-only   longest estimated cached prefix, no load term at all; ties (and no hit anywhere) uniformly at
+                  random (a hash of the request's sequence number: pure, reproducible) -- llm-d's prefix-cache
+                  scorer alone with its max-score picker, the baseline of its prefix+load comparison
     prefix-load   (default) least estimated cost among the workers the load guard allows:
                       cost_w  = c0_w + (1 + κ)·uncached_w / rate_w + queue_w
                       queue_w = c0_w·prefill_requests_w + work_w / rate_w      (outstanding work, seconds)
@@ -122,6 +125,28 @@ def prefix(snap: RouteSnapshot, p: PolicyParams) -> RouteChoice:
     best = min(workers, key=lambda w: (-w.cached_prefix_tokens,) + _load_key(w, p))
     reason = "prefix-hit" if best.cached_prefix_tokens > 0 else "least-load"
     return RouteChoice(best.url, reason, tuple((w.url, float(-w.cached_prefix_tokens)) for w in workers))
+
+
+def _spread(seq: int, n: int) -> int:
+    """An index in [0, n), uniform over request sequence numbers (splitmix64 of seq): a random tie-break
+    that is a pure function of the snapshot."""
+    m = 0xFFFFFFFFFFFFFFFF
+    x = (seq + 0x9E3779B97F4A7C15) & m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return (x ^ (x >> 31)) % n
+
+
+@register_policy("prefix-only")
+def prefix_only(snap: RouteSnapshot, p: PolicyParams) -> RouteChoice:
+    workers = snap.routable(snap.request.exclude)
+    if not workers:
+        return NO_WORKER
+    longest = max(w.cached_prefix_tokens for w in workers)
+    ties = [w for w in workers if w.cached_prefix_tokens == longest]
+    best = ties[_spread(snap.request.seq, len(ties))]
+    return RouteChoice(best.url, "prefix-hit" if longest > 0 else "random",
+                       tuple((w.url, float(-w.cached_prefix_tokens)) for w in workers))
 
 
 def prefix_load_cost_s(w: WorkerView, snap: RouteSnapshot, p: PolicyParams) -> float:

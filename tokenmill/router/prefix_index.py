@@ -18,6 +18,7 @@ No clock reads: every method takes `now` (seconds), so a simulator can drive it 
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -46,16 +47,22 @@ def chunk_hashes(prompt: str | list[int] | tuple[int, ...], chunk: int) -> tuple
     """Chained hashes of the full `chunk`-sized chunks of a prompt (text or token ids)."""
     hashes: list[bytes] = []
     parent = b""
-    for start in range(0, len(prompt) - chunk + 1, chunk):
-        piece = prompt[start : start + chunk]
-        data = piece.encode("utf-8", "surrogatepass") if isinstance(piece, str) else _ids_bytes(piece)
-        parent = hashlib.blake2b(parent + data, digest_size=12).digest()
+    full = len(prompt) - len(prompt) % chunk
+    if isinstance(prompt, str):
+        for start in range(0, full, chunk):
+            parent = hashlib.blake2b(parent + prompt[start: start + chunk].encode("utf-8", "surrogatepass"),
+                                     digest_size=12).digest()
+            hashes.append(parent)
+        return tuple(hashes)
+    data, width = _ids_bytes(prompt[:full]), 4 * chunk  # each id as 4 bytes, little-endian, signed
+    for start in range(0, 4 * full, width):
+        parent = hashlib.blake2b(parent + data[start: start + width], digest_size=12).digest()
         hashes.append(parent)
     return tuple(hashes)
 
 
 def _ids_bytes(ids) -> bytes:
-    return b"".join(int(i).to_bytes(4, "little", signed=True) for i in ids)
+    return struct.pack(f"<{len(ids)}i", *ids)
 
 
 class PrefixIndex:

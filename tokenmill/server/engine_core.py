@@ -174,8 +174,7 @@ class EngineCore:
 
     def _step(self, res: StepResult) -> None:
         eng = self.engine
-        budget = self.step_budget.token_budget(eng.num_decoding(), eng.tightest_tpot_slo_s(),
-                                               eng.config.max_num_batched_tokens)
+        budget = self.step_budget.budget_for(eng, eng.config.max_num_batched_tokens)
         res.stepped = True
         res.t0 = t0 = time.perf_counter()
         try:

@@ -53,6 +53,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-step-budget", action="store_true", help="do not size steps to the TPOT SLO")
     g.add_argument("--price-per-hour", type=float, help="USD per GPU-hour: cost per request and per million tokens")
+    g.add_argument("--no-fast-forward", action="store_true",
+                   help="step every decode step (default: steady decode runs in one event, same results)")
     g.add_argument("--no-token-times", action="store_true", help="do not keep every token's time (big runs)")
     sub = p.add_subparsers(dest="sim_command", metavar="calibrate")
     c = sub.add_parser("calibrate", help="measure this machine's engine step times and fit the cost model",
@@ -163,7 +165,8 @@ def build_config(args: argparse.Namespace):
         plots=not args.no_plots, roofline=roofline, kv_cache_bytes=kv, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        step_budget=not args.no_step_budget, price_per_hour=args.price_per_hour,
+        step_budget=not args.no_step_budget, fast_forward=not args.no_fast_forward,
+        price_per_hour=args.price_per_hour,
         record_chunks=not args.no_token_times, command=tuple(command))
 
 

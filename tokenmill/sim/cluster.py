@@ -108,6 +108,7 @@ class LevelStats:
     prompt_tokens: int = 0
     output_tokens: int = 0
     sim_end_s: float = 0.0
+    fast_forward: dict = field(default_factory=dict)  # runs, steps in them, runs cut short, runs block-limited
 
 
 class ClusterSim:
@@ -120,7 +121,7 @@ class ClusterSim:
         self.workers: dict[str, SimWorker] = {}
         for i in range(num_workers):
             url = f"http://sim-worker-{i}"
-            self.workers[url] = SimWorker(url, worker_cfg, cost, self.loop, self._on_token)
+            self.workers[url] = SimWorker(url, worker_cfg, cost, self.loop, self._on_token, self._on_tokens)
             self.router.add_worker(WorkerSpec(url, "tokenmill")).healthy = True
         self.record_chunks = record_chunks
         self.records: list[RequestRecord] = []
@@ -143,7 +144,9 @@ class ClusterSim:
         stats = LevelStats(self.loop.events, sum(w.steps for w in self.workers.values()),
                            [w.busy_s for w in self.workers.values()],
                            sum(w.prompt_tokens for w in self.workers.values()),
-                           sum(w.output_tokens for w in self.workers.values()), self.loop.now)
+                           sum(w.output_tokens for w in self.workers.values()), self.loop.now,
+                           {k: sum(w.ff[k] for w in self.workers.values()) for k in ("runs", "steps", "cut",
+                                                                                     "block_limited")})
         return self.records, stats
 
     def _feed(self, plan: Iterator) -> None:
@@ -217,6 +220,16 @@ class ClusterSim:
             rec.error = f"HTTP {status}: {err}"
             self.router.finish(live.ctx, flight, 0, None)
             self._session_over(live.session)
+
+    def _on_tokens(self, w: SimWorker, req, times: list[float]) -> None:
+        """Tokens of fast-forwarded decode steps (none first, none last), each at its step's end time; the
+        router counts them now (its decode bookkeeping feeds no decision: worker_state.tokens)."""
+        live = self._live.get(req.request_id)
+        if live is None:
+            return
+        if self.record_chunks:
+            live.rec.chunk_s.extend(times)
+        self.router.output_tokens(live.flight, len(times))
 
     def _on_token(self, w: SimWorker, req, first: bool, finished: bool) -> None:
         live = self._live.get(req.request_id)

@@ -50,6 +50,7 @@ class SimConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     step_budget: bool = True
+    fast_forward: bool = True  # steady decode steps in one event (sim/decode_run.py): same results, faster
     price_per_hour: float | None = None  # per GPU
     record_chunks: bool = True  # every token's time (ITL); off for very large runs
     command: tuple[str, ...] = ()
@@ -102,7 +103,8 @@ def build(cfg: SimConfig) -> Built:
     max_len = min(cfg.max_model_len or shape.max_position, blocks * cfg.block_size)
     worker = WorkerConfig(num_blocks=blocks, block_size=cfg.block_size, max_num_batched_tokens=max_batched,
                           max_num_seqs=cfg.max_num_seqs, max_model_len=max_len,
-                          enable_prefix_caching=cfg.enable_prefix_caching, step_budget=cfg.step_budget)
+                          enable_prefix_caching=cfg.enable_prefix_caching, step_budget=cfg.step_budget,
+                          fast_forward=cfg.fast_forward)
     return Built(cost, shape, worker, gpus, hw_name)
 
 
@@ -186,7 +188,7 @@ def _level_json(run: RunResult, stats: LevelStats, wall_s: float, cfg: SimConfig
            "events_per_s": stats.events / wall_s if wall_s > 0 else None, "simulated_s": stats.sim_end_s,
            "speedup_vs_real_time": stats.sim_end_s / wall_s if wall_s > 0 else None,
            "mean_worker_busy": busy, "gpus": gpus, "prompt_tokens": stats.prompt_tokens,
-           "output_tokens": stats.output_tokens}
+           "output_tokens": stats.output_tokens, "fast_forward": stats.fast_forward}
     if cfg.price_per_hour is not None and s.duration_s > 0:
         cost = cfg.price_per_hour * gpus * s.duration_s / 3600.0
         tokens = s.prompt_tokens + s.output_tokens

@@ -3,14 +3,17 @@ step-budget model, with the model runner replaced by a cost model.
 
 One step, as the server's engine thread runs it (server/async_engine.py `_step`):
 
-    budget = step_budget.token_budget(decoding, tightest TPOT SLO, max_num_batched_tokens)
+    budget = step_budget.budget_for(scheduler, max_num_batched_tokens)   # as server/engine_core.py
     sched  = scheduler.schedule(now, budget)          # the real scheduler: admission, chunking, preemption
     step_s = cost_model.step_s(StepShape.of(sched))   # instead of runner.execute(sched)
-    step_budget.observe(decodes, prefill tokens, step_s)
+    step_budget.observe(*step_composition(sched), step_s)                # as LLMEngine.step + engine_core
     at now + step_s: every sequence with a logit gets one output token; a request ends at max_tokens or
                      max_model_len (LLMEngine._check_stop's length rules; no EOS: the sim has no model)
 
 Requests added while a step runs wait for its end (the engine thread applies commands between steps).
+Steady decode (every running request decoding, nothing waiting) is fast-forwarded: a run of identical
+decode steps is one event (decode_run.py; `WorkerConfig.fast_forward`, exactly the per-request results of
+stepping).
 The seam is the Scheduler, not LLMEngine: LLMEngine's __init__ loads a model and its _postprocess samples
 logits; what the sim replaces is exactly ModelRunner.execute + Sampler (see docs/architecture.md).
 """
@@ -24,7 +27,8 @@ from tokenmill.engine.kv.kv_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
-from tokenmill.engine.step_budget import StepBudget, StepBudgetConfig
+from tokenmill.engine.step_budget import StepBudget, StepBudgetConfig, step_composition
+from tokenmill.sim import decode_run
 from tokenmill.sim.clock import EventLoop
 from tokenmill.sim.cost_model import CostModel, StepShape
 
@@ -50,6 +54,7 @@ class WorkerConfig:
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     step_budget: bool = True  # the server's TPOT-sized step budget (engine/step_budget.py)
+    fast_forward: bool = True  # steady decode steps in one event (decode_run.py); same results as stepping
 
     def __post_init__(self):
         if self.num_blocks < 1 or self.block_size < 1 or self.max_model_len < 2:
@@ -58,22 +63,29 @@ class WorkerConfig:
 
 
 class SimWorker:
-    """Calls on_token(worker, request_id, first, finished, request) at the end of each step per output token."""
+    """Calls on_token(worker, request, first, finished) at the end of each step per output token, and
+    on_tokens(worker, request, times) for the tokens of fast-forwarded steps (never a first or last token;
+    `times`: each one's step end, delivered later, when the run is materialized)."""
 
-    def __init__(self, name: str, cfg: WorkerConfig, cost: CostModel, loop: EventLoop, on_token: Callable):
-        self.name, self.cfg, self.cost, self.loop, self.on_token = name, cfg, cost, loop, on_token
+    def __init__(self, name: str, cfg: WorkerConfig, cost: CostModel, loop: EventLoop, on_token: Callable,
+                 on_tokens: Callable):
+        self.name, self.cfg, self.cost, self.loop = name, cfg, cost, loop
+        self.on_token, self.on_tokens = on_token, on_tokens
         self.kv = SimKVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                                    cfg.max_waiting_requests), self.kv)
         self.step_budget = StepBudget(StepBudgetConfig(enabled=cfg.step_budget))
         self.busy = False
         self.pending: list[Request] = []  # added during a step: enter the scheduler at its end
+        self.run: decode_run.DecodeRun | None = None  # a fast-forwarded run of decode steps in flight
+        self.ff = {"runs": 0, "steps": 0, "cut": 0, "block_limited": 0}  # fast-forward counters
         self.steps = 0
         self.busy_s = 0.0
         self.prompt_tokens = 0
         self.output_tokens = 0
 
     def cached_prefix_tokens(self, token_ids: list[int], hashes: list[int] | None = None) -> int:
+        self.cut_run()
         return self.kv.cached_prefix_tokens(token_ids, hashes)
 
     def add(self, request_id: str, token_ids: list[int], max_tokens: int, priority: int = 0,
@@ -90,6 +102,7 @@ class SimWorker:
                       max_total_tokens=self.cfg.max_model_len, ttft_deadline=ttft_deadline, tpot_slo_s=tpot_slo_s,
                       rank=rank)
         self.prompt_tokens += n
+        self.cut_run()
         if self.busy:
             self.pending.append(req)
         else:
@@ -99,26 +112,72 @@ class SimWorker:
 
     def _step(self) -> None:
         s = self.scheduler
-        budget = self.step_budget.token_budget(s.num_decoding(), s.tightest_tpot_slo_s(), self.cfg.max_num_batched_tokens)
-        sched = s.schedule(self.loop.now, budget)
+        sched = s.schedule(self.loop.now, self.step_budget.budget_for(s, self.cfg.max_num_batched_tokens))
         if sched.empty:
             self.busy = False
             return
         shape = StepShape.of(sched)
         step_s = self.cost.step_s(shape)
-        self.step_budget.observe(shape.decode_seqs, sched.num_batched_tokens - shape.decode_seqs, step_s)
+        self.step_budget.observe(*step_composition(sched), step_s)
         self.busy = True
         self.steps += 1
         self.busy_s += step_s
-        self.loop.at(self.loop.now + step_s, self._end_step, sched)
+        if self.cfg.fast_forward and decode_run.steady(sched, s, self.pending, self.cfg.max_num_batched_tokens):
+            run = decode_run.plan(sched, s, self.kv, shape, step_s, self.loop.now, self.cost, self.cfg.max_model_len)
+            if run is not None:
+                self.run = run
+                self.ff["runs"] += 1
+                self.ff["steps"] += len(run.ends)
+                self.ff["block_limited"] += run.block_limited
+                run.entry = self.loop.at(run.ends[-1], self._end_run)
+                return
+        self.loop.at(self.loop.now + step_s, self._end_step, [q.request_id for q in sched.seqs if q.num_logits])
 
-    def _end_step(self, sched) -> None:
+    def cut_run(self) -> None:
+        """Something looks into this worker now: bring the fast-forwarded run to the step in flight now."""
+        run = self.run
+        if run is None:
+            return
+        now = self.loop.now
+        k = run.scheduled - 1  # the step in flight is the first one ending after now
+        while k < run.last and run.ends[k] <= now:
+            k += 1
+        if k == run.last:
+            self._materialize(k)
+            return
+        self._materialize(k)
+        self.ff["cut"] += 1
+        self.ff["steps"] -= run.last - k
+        del run.ends[k + 1:], run.step_s[k + 1:]
+        self.loop.cancel(run.entry)
+        run.entry = self.loop.at(run.ends[k], self._end_run)
+
+    def _materialize(self, target: int) -> None:
+        run = self.run
+        first = run.scheduled
+        times = decode_run.materialize(run, target, self.kv, OUTPUT_TOKEN)
+        skipped = run.step_s[first:target + 1]
+        if skipped:
+            self.step_budget.observe_many(run.first_shape.decode_seqs, 0, skipped)
+            for x in skipped:
+                self.busy_s += x
+            self.steps += len(skipped)
+        if times:
+            self.output_tokens += len(times) * len(run.reqs)
+            for r in run.reqs:
+                self.on_tokens(self, r, times)
+
+    def _end_run(self) -> None:
+        run = self.run
+        self._materialize(run.last)
+        self.run = None
+        self._end_step([r.request_id for r in run.reqs])
+
+    def _end_step(self, request_ids: list[str]) -> None:
         requests = self.scheduler.requests
         max_len = self.cfg.max_model_len
-        for seq in sched.seqs:
-            if not seq.num_logits:
-                continue
-            req = requests.get(seq.request_id)
+        for rid in request_ids:
+            req = requests.get(rid)
             if req is None:
                 continue
             req.append_output(OUTPUT_TOKEN)

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: a simulated cluster holds millions of these
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
@@ -30,7 +30,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # front: evict first
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front: evict first
         self.cached: dict[int, KVBlock] = {}  # block hash -> block
         self.num_evictions = 0
         self.events: list[int] | None = None  # KV events, when the owner collects them
