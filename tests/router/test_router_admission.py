@@ -205,23 +205,9 @@ def test_router_admits_a_request_that_meets_its_slo_even_while_others_of_its_cla
     worker can serve in time (a shorter prompt here) is not queued behind them (it was, FIFO)."""
     import asyncio
 
-    from tokenmill.router.config import RouterConfig
-    from tokenmill.router.prefix_index import PrefixIndexConfig
-    from tokenmill.router.prompt import prompt_key
-    from tokenmill.router.rates import RatePriors
-    from tokenmill.router.router import Router
-    from tokenmill.router.worker_state import WorkerSpec
-
     async def run():
         t = [100.0]
-        cfg = RouterConfig(workers=(WorkerSpec("http://a"),), rate_priors=RatePriors(ttft_base_s=0.0, prefill_rate_tps=1000.0),
-                           admission=LEADING)
-        router = Router(cfg, clock=lambda: t[0])
-        w = router.pool.get("http://a")
-        w.healthy, w.rates.prefill.samples = True, 5
-        w.ttft_error_hi.value, w.ttft_error_lo.value = 1.0, 0.5  # never short; may overshoot by 2x
-        w.start("earlier", 900, 0.9, now=t[0])  # 0.9 s of prefill queued there
-        key = lambda n: prompt_key({"prompt": list(range(n))}, False, PrefixIndexConfig())  # noqa: E731
+        router, key = one_busy_worker_router(t)
         big = router.new_request(key(200), INTERACTIVE, 4)  # 1.1 s predicted: within the margin, held
         big_task = asyncio.ensure_future(router.acquire(big))
         await asyncio.sleep(0)
@@ -243,23 +229,11 @@ def test_router_refuses_at_once_a_request_queued_behind_held_ones_it_cannot_outl
     gone (their clients left) the same request is held again."""
     import asyncio
 
-    from tokenmill.router.config import RouterConfig
-    from tokenmill.router.prefix_index import PrefixIndexConfig
-    from tokenmill.router.prompt import prompt_key
-    from tokenmill.router.rates import RatePriors
-    from tokenmill.router.router import Refused, Router
-    from tokenmill.router.worker_state import WorkerSpec
+    from tokenmill.router.router import Refused
 
     async def run():
         t = [100.0]
-        cfg = RouterConfig(workers=(WorkerSpec("http://a"),), rate_priors=RatePriors(ttft_base_s=0.0, prefill_rate_tps=1000.0),
-                           admission=LEADING)
-        router = Router(cfg, clock=lambda: t[0])
-        w = router.pool.get("http://a")
-        w.healthy, w.rates.prefill.samples = True, 5
-        w.ttft_error_hi.value, w.ttft_error_lo.value = 1.0, 0.5
-        w.start("earlier", 900, 0.9, now=t[0])  # 0.9 s of prefill queued there
-        key = lambda n: prompt_key({"prompt": list(range(n))}, False, PrefixIndexConfig())  # noqa: E731
+        router, key = one_busy_worker_router(t)
         held = [asyncio.ensure_future(router.acquire(router.new_request(key(200), INTERACTIVE, 4))) for _ in range(3)]
         await asyncio.sleep(0)
         assert router.queues.depths()["interactive"] == 3 and not any(h.done() for h in held)
@@ -277,3 +251,23 @@ def test_router_refuses_at_once_a_request_queued_behind_held_ones_it_cannot_outl
         await router.close()
 
     asyncio.run(run())
+
+
+def one_busy_worker_router(t):
+    """A router over one worker with 0.9 s of prefill queued (1000 tok/s) whose TTFT predictions are never
+    short and may overshoot by 2x; `t` is its clock (a one-element list). Returns (router, prompt key maker)."""
+    from tokenmill.router.config import RouterConfig
+    from tokenmill.router.prefix_index import PrefixIndexConfig
+    from tokenmill.router.prompt import prompt_key
+    from tokenmill.router.rates import RatePriors
+    from tokenmill.router.router import Router
+    from tokenmill.router.worker_state import WorkerSpec
+
+    cfg = RouterConfig(workers=(WorkerSpec("http://a"),), rate_priors=RatePriors(ttft_base_s=0.0, prefill_rate_tps=1000.0),
+                       admission=LEADING)
+    router = Router(cfg, clock=lambda: t[0])
+    w = router.pool.get("http://a")
+    w.healthy, w.rates.prefill.samples = True, 5
+    w.ttft_error_hi.value, w.ttft_error_lo.value = 1.0, 0.5  # never short; may overshoot by 2x
+    w.start("earlier", 900, 0.9, now=t[0])  # 0.9 s of prefill queued there
+    return router, lambda n: prompt_key({"prompt": list(range(n))}, False, PrefixIndexConfig())
