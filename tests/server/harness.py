@@ -70,3 +70,31 @@ class ServerThread:
 
     def state(self) -> dict:
         return self.get("/tokenmill/state")[2]
+
+
+def read_sse(url: str, body: dict, out: list, started: threading.Event | None = None, timeout: float = 60) -> None:
+    """POST `body` with stream=True to `url` and append every SSE `data:` payload to `out` (sets `started` at the
+    first one). Meant to run in a thread beside the test."""
+    req = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                out.append(line[6:])
+                if started is not None:
+                    started.set()
+
+
+def offline_greedy_text(engine, prompt: str, max_tokens: int) -> str:
+    """The reference a server's answer is compared with: `prompt` through the offline LLMEngine, greedy,
+    ignore_eos, `max_tokens` tokens; returns the detokenized text."""
+    from tokenmill.engine.sampling_params import SamplingParams
+
+    engine.add_request("r", engine.tokenizer.encode(prompt),
+                       SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.text
+    return text

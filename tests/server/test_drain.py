@@ -7,23 +7,15 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 
 from .fake_engine import FakeEngine
-from .harness import ServerThread
+from .harness import ServerThread, read_sse
 
 C = "/v1/completions"
 
 
 def _stream(url: str, body: dict, out: list, started: threading.Event) -> None:
-    req = urllib.request.Request(url + C, data=json.dumps({**body, "stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        for line in r:
-            line = line.decode().strip()
-            if line.startswith("data: "):
-                out.append(line[6:])
-                started.set()
+    read_sse(url + C, body, out, started)
 
 
 def _start_drain(s: ServerThread) -> None:

@@ -23,7 +23,8 @@ pytest.importorskip("tokenmill.engine.llm_engine")
 
 from tokenmill.engine.config import EngineConfig  # noqa: E402
 from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
-from tokenmill.engine.sampling_params import SamplingParams  # noqa: E402
+
+from .harness import offline_greedy_text, read_sse  # noqa: E402
 
 pytestmark = pytest.mark.slow
 C = "/v1/completions"
@@ -55,15 +56,7 @@ class Serve:
             return e.code, dict(e.headers), json.loads(e.read())
 
     def stream(self, body: dict, out: list, started: threading.Event | None = None) -> None:
-        req = urllib.request.Request(self.url + C, data=json.dumps({**body, "stream": True}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            for line in r:
-                line = line.decode().strip()
-                if line.startswith("data: "):
-                    out.append(line[6:])
-                    if started is not None:
-                        started.set()
+        read_sse(self.url + C, body, out, started)
 
     def close(self) -> None:
         if self.p.poll() is None:
@@ -89,13 +82,8 @@ def test_core_process_serves_the_offline_tokens_one_frame_per_step(serve, tiny_d
     s = serve("--max-model-len", "256")
     state = s.request("GET", "/tokenmill/state")[2]
     assert state["engine_core_pid"] not in (None, s.p.pid)
-    off = LLMEngine(EngineConfig(model=str(tiny_dir), kv_cache_bytes=16 << 20, max_model_len=256))
-    ids = off.tokenizer.encode(PROMPT)
-    off.add_request("r", ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    text = ""
-    while off.has_unfinished_requests():
-        for out in off.step():
-            text = out.text
+    text = offline_greedy_text(LLMEngine(EngineConfig(model=str(tiny_dir), kv_cache_bytes=16 << 20, max_model_len=256)),
+                               PROMPT, 12)
     status, _, body = s.request("POST", C, {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
     assert status == 200 and body["choices"][0]["text"] == text
     outs = [[] for _ in range(8)]

@@ -19,9 +19,8 @@ pytest.importorskip("tokenmill.engine.llm_engine")
 
 from tokenmill.engine.config import EngineConfig  # noqa: E402
 from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
-from tokenmill.engine.sampling_params import SamplingParams  # noqa: E402
 
-from .harness import ServerThread  # noqa: E402
+from .harness import ServerThread, offline_greedy_text  # noqa: E402
 from .test_metrics import scrape, value  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
@@ -48,13 +47,7 @@ def real(tiny_dir):
 
 
 def test_greedy_matches_offline_engine(real, tiny_dir):
-    off = engine(tiny_dir)
-    ids = off.tokenizer.encode(PROMPT)
-    off.add_request("r", ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    text = ""
-    while off.has_unfinished_requests():
-        for out in off.step():
-            text = out.text
+    text = offline_greedy_text(engine(tiny_dir), PROMPT, 12)
     r = real.client.completions.create(model=real.model, prompt=PROMPT, max_tokens=12, temperature=0,
                                        extra_body={"ignore_eos": True})
     assert r.choices[0].text == text
