@@ -75,9 +75,8 @@ class ModelRunner:
         self.sliding_window = sliding_window
         shape = (2, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
         if self.kv_dtype == torch.int8:  # int8 data + one fp32 scale per (block, kv head) for K and V
-            self.kv_caches = [Int8KVCache(_zeros(shape, torch.int8, device),
-                                          torch.zeros(2, num_blocks, cfg.num_key_value_heads, device=device))
-                              for _ in range(cfg.num_hidden_layers)]
+            self.kv_caches = [Int8KVCache.empty(num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, device,
+                                                zeros=_zeros) for _ in range(cfg.num_hidden_layers)]
         else:
             self.kv_caches = [_zeros(shape, self.kv_dtype, device) for _ in range(cfg.num_hidden_layers)]
         if device.type == "cpu":

@@ -71,9 +71,12 @@ class Int8KVCache:
         return self.data.shape
 
     @staticmethod
-    def empty(num_blocks: int, kv_heads: int, block_size: int, head_dim: int, device) -> "Int8KVCache":
-        return Int8KVCache(torch.zeros(2, num_blocks, kv_heads, block_size, head_dim, dtype=torch.int8, device=device),
-                           torch.zeros(2, num_blocks, kv_heads, dtype=torch.float32, device=device))
+    def empty(num_blocks: int, kv_heads: int, block_size: int, head_dim: int, device, zeros=None) -> "Int8KVCache":
+        """Zeroed data and scales; `zeros(shape, dtype, device)` allocates the data (the runner passes its
+        huge-page allocator), torch.zeros by default."""
+        shape = (2, num_blocks, kv_heads, block_size, head_dim)
+        data = zeros(shape, torch.int8, device) if zeros else torch.zeros(shape, dtype=torch.int8, device=device)
+        return Int8KVCache(data, torch.zeros(2, num_blocks, kv_heads, dtype=torch.float32, device=device))
 
 
 def _cpu_kernels(q: torch.Tensor, cache):
