@@ -40,8 +40,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_common import wait_http  # noqa: E402
 
 PY = sys.executable
-PICKERS = ("picker", "baseline")
-SERVERS = (*PICKERS, "echo-aio", "echo-aio-rw", "echo-aio-opts", "echo-aio-x2", "echo-sync")
+PICKERS = ("picker", "picker-uvloop", "baseline")
+SERVERS = (*PICKERS, "echo-aio", "echo-aio-uvloop", "echo-aio-rw", "echo-aio-opts", "echo-aio-x2", "echo-sync")
+# the ext_proc message patterns a gateway can be configured for (processing_mode), per request:
+#   full          request headers + body (FULL_DUPLEX_STREAMED), response headers, every response body chunk
+#                 (FULL_DUPLEX_STREAMED: each one echoed back), end of stream: what the inference gateways
+#                 configure for an InferencePool by default
+#   resp-headers  request headers + body, response headers; response_body_mode NONE, trailers SKIP: what the
+#                 picker needs (the pick, the served endpoint, the status; the stream's end closes the gRPC call)
+PATTERNS = ("full", "resp-headers")
+PLACEMENTS = ("shared", "pinned")
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
@@ -146,12 +154,19 @@ def echo_server(kind: str, port: int, endpoints: list[str]) -> None:
 
     async def main():
         server = grpc.aio.server(options=ECHO_OPTIONS.get(kind, ()))
+        if kind == "aio-uvloop":
+            assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
         pb_grpc.add_ExternalProcessorServicer_to_server(AioReadWrite() if kind == "aio-rw" else Aio(), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         await server.wait_for_termination()
 
-    asyncio.run(main())
+    if kind == "aio-uvloop":
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
 
 
 # gRPC core knobs tried on the floor: no BDP pings, latency-first call combining
@@ -166,7 +181,7 @@ def wait_grpc(port: int, timeout_s: float = 60.0) -> None:
 
 
 async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, decode_s: float, seed: int,
-                response_body: bool = True, n_channels: int = 1) -> dict:
+                response_body: bool = True, n_channels: int = 1, chunks: int = 2) -> dict:
     import grpc
     from envoy.config.core.v3 import base_pb2
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -186,6 +201,7 @@ async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, de
     resp_headers = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
         base_pb2.HeaderValue(key=":status", raw_value=b"200")])))
     first_chunk = pb.ProcessingRequest(response_body=pb.HttpBody(body=b'data: {"choices":[{"text":"x"}]}\n\n'))
+    gap_s = decode_s / max(1, chunks - 1)  # the tokens after the first, spread over the decode
     last_chunk = pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True))
     lat, lags, outcomes, picks, starts = [], [], {}, {}, []
     # one HTTP/2 connection per channel (a distinct arg keeps gRPC from sharing the subchannel); Envoy too
@@ -218,8 +234,14 @@ async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, de
         for msg in (resp_headers, first_chunk) if response_body else (resp_headers,):
             await call.write(msg)
             await call.read()
-        await asyncio.sleep(decode_s)
-        if response_body:
+        if not response_body:
+            await asyncio.sleep(decode_s)
+        else:
+            for _ in range(chunks - 2):  # one SSE event per token, as a streaming worker sends them
+                await asyncio.sleep(gap_s)
+                await call.write(first_chunk)
+                await call.read()
+            await asyncio.sleep(gap_s)
             await call.write(last_chunk)
             await call.read()
         await call.done_writing()  # the HTTP stream ended: Envoy closes the ext_proc stream
@@ -258,6 +280,8 @@ def scrape(url: str) -> dict:
     for fam in text_string_to_metric_families(text):
         if fam.name == "tokenmill_router_epp_decision_seconds":
             out["decision"] = {float(s.labels["le"]): s.value for s in fam.samples if s.name.endswith("_bucket")}
+        if fam.name == "tokenmill_router_epp_e2e_seconds":  # headers read -> answer written (server side)
+            out["e2e"] = {float(s.labels["le"]): s.value for s in fam.samples if s.name.endswith("_bucket")}
         if fam.name == "tokenmill_router_queue_wait_seconds":  # requests admission held in a class queue
             out["held"] = sum(s.value for s in fam.samples if s.name.endswith("_count"))
         if fam.name == "tokenmill_router_gc_pause_seconds":
@@ -266,6 +290,34 @@ def scrape(url: str) -> dict:
             out["gc_long"] = sum(s.value for s in fam.samples if s.name.endswith("_bucket") and s.labels["le"] == "+Inf") \
                 - sum(s.value for s in fam.samples if s.name.endswith("_bucket") and s.labels["le"] == "0.005")
     return out
+
+
+def e2e_quantiles(before: dict, after: dict) -> tuple[float, float, float]:
+    """The picker's own e2e histogram over the run: (p50 ms, p99 ms, share <= 2 ms); the quantiles
+    interpolated linearly inside their bucket, as Prometheus' histogram_quantile does."""
+    b = sorted((le, v - before.get("e2e", {}).get(le, 0.0)) for le, v in after["e2e"].items())
+    total = b[-1][1] or 1.0
+
+    def q(x: float) -> float:
+        lo_le, lo_n = 0.0, 0.0
+        for le, n in b:
+            if n >= x * total:
+                if le == float("inf"):
+                    return lo_le * 1e3
+                return (lo_le + (le - lo_le) * (x * total - lo_n) / max(n - lo_n, 1e-9)) * 1e3
+            lo_le, lo_n = le, n
+        return float("nan")
+
+    return q(0.5), q(0.99), dict(b)[0.002] / total
+
+
+def client_loop(kind: str):
+    """asyncio.run on the client's loop of choice (the gateway's stand-in; Envoy's own client is C++)."""
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.run
+    return asyncio.run
 
 
 def shares(before: dict, after: dict) -> dict[float, float]:
@@ -375,8 +427,20 @@ def tcp_counters() -> dict[str, int]:
     return dict.fromkeys(TCP_COUNTERS, 0)
 
 
-def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int) -> tuple:
-    """One row: start the server (the picker CLI, or an echo floor), drive it, stop it."""
+def set_affinity(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process onto `cpus` (sched_setaffinity(pid) moves one thread only)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            pass
+
+
+def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, pattern: str = "full",
+            placement: str = "shared") -> tuple:
+    """One row: start the server (the picker CLI, or an echo floor), drive it, stop it. `placement` pinned:
+    the server alone on core 1 (a picker pod with a CPU of its own), this client and the stub workers on core 0
+    (the gateway elsewhere); shared: every process on every core."""
     hport, eport = free_port(), free_port()
     env = ENV
     if server == "baseline":  # the same picker from another checkout (before / after in one run)
@@ -385,6 +449,8 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int) -> t
     if server in PICKERS:
         cmd = [PY, "-m", "tokenmill", "route", "--port", str(hport), "--epp-port", str(eport),
                "--admission", mode, "--log-level", "warning"]
+        if server != "baseline":  # (the baseline predates --event-loop: asyncio)
+            cmd += ["--event-loop", "uvloop" if server.endswith("-uvloop") else "asyncio"]
         for p in ports:
             cmd += ["--worker", f"tokenmill=http://127.0.0.1:{p}"]
     else:
@@ -398,8 +464,14 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int) -> t
         cmd = ["py-spy", "record", "--format", "raw", "--rate", "250", "--nonblocking", "-o", str(out), "--"] + cmd
     # cwd: `python -m` puts it first on sys.path, before PYTHONPATH (the baseline must not import this checkout)
     cwd = args.baseline_src if server == "baseline" else None
-    if args.pin:  # the server alone on the first core (as a picker pod with its own CPU), the rest on the others
-        cmd = ["taskset", "-c", "0"] + cmd
+    everything = set(range(os.cpu_count()))
+    if placement == "pinned":
+        cmd = ["taskset", "-c", "1"] + cmd
+        for pid in (os.getpid(), stubs_pid):
+            set_affinity(pid, {0})
+    else:
+        for pid in (os.getpid(), stubs_pid):
+            set_affinity(pid, everything)
     procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL) for _ in range(copies)]
     try:
         if server in PICKERS:
@@ -412,8 +484,8 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int) -> t
         busy0, stubs0, client0, wall0 = machine_busy_s(), router_cpu_s(stubs_pid), time.process_time(), time.perf_counter()
         tcp0 = tcp_counters()
         m0 = scrape(f"http://127.0.0.1:{hport}/metrics") if server in PICKERS else None
-        r = asyncio.run(drive(eport, args.rate, args.duration, args.ttft_ms / 1e3, args.decode_ms / 1e3, 0,
-                              not args.no_response_body, args.channels))
+        r = client_loop(args.client_loop)(drive(eport, args.rate, args.duration, args.ttft_ms / 1e3,
+                                                args.decode_ms / 1e3, 0, pattern == "full", args.channels, args.chunks))
         cpu = sum(router_cpu_s(pid) for pid in pids) - cpu0
         loop_busy = (router_cpu_s(pids[0], pids[0]) - loop0) / (time.perf_counter() - wall0) * len(pids)
         tcp = "/".join(str(v - tcp0[k]) for k, v in tcp_counters().items())
@@ -432,11 +504,13 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int) -> t
         Path(args.trace, f"{time.strftime('%H%M%S')}-{server}-{mode}.json").write_text(json.dumps(
             {"starts": r["starts"], "lat_ms": lat, "held": m1["held"] - m0["held"] if m0 else None}))
     label = f"{server} (admission {mode})" if server in PICKERS else server
+    label = f"{placement}, {pattern}, {label}"
     return (label, len(lat) / r["wall_s"], statistics.median(lat), pct(lat, 0.9), pct(lat, 0.99), max(lat),
             pct(r["lags"], 0.99) * 1e3, cpu / len(lat) * 1e3, r["client_cpu_s"] / len(lat) * 1e3, r["outcomes"],
             len(r["picks"]), shares(m0, m1) if m0 else None,
             (m1["gc_n"] - m0["gc_n"], (m1["gc_s"] - m0["gc_s"]) * 1e3, m1["gc_long"] - m0["gc_long"]) if m0 else None,
-            m1["held"] - m0["held"] if m0 else None, others, tcp, loop_busy)
+            m1["held"] - m0["held"] if m0 else None, others, tcp, loop_busy,
+            e2e_quantiles(m0, m1) if m0 and "e2e" in m1 else None)
 
 
 def main(argv=None) -> int:
@@ -445,8 +519,16 @@ def main(argv=None) -> int:
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per mode")
     ap.add_argument("--workers", type=int, default=8, help="stub worker endpoints in the pool")
     ap.add_argument("--admission", action="append", help="modes to run, in order (default: off, leading)")
-    ap.add_argument("--no-response-body", action="store_true", help="the gateway sends the picker response "
-                    "headers only (response_body_mode NONE): 4 ext_proc messages per request instead of 8")
+    ap.add_argument("--no-response-body", action="store_true", help="same as --pattern resp-headers")
+    ap.add_argument("--pattern", action="append", choices=PATTERNS, help="ext_proc message patterns to run, in "
+                    "order (default full): full = response headers and every response body chunk too; "
+                    "resp-headers = response_body_mode NONE (request headers + body, response headers)")
+    ap.add_argument("--chunks", type=int, default=2, help="response body chunks per request in the full pattern "
+                    "(SSE events: one per token as a worker streams them; default %(default)s: first token + [DONE])")
+    ap.add_argument("--placement", action="append", choices=PLACEMENTS, help="CPU placements to run, in order "
+                    "(default shared): pinned = server alone on core 1, client and stub workers on core 0")
+    ap.add_argument("--client-loop", default="asyncio", choices=("asyncio", "uvloop"), help="the client's event "
+                    "loop (default %(default)s)")
     ap.add_argument("--channels", type=int, default=1, help="gRPC connections the client spreads streams over")
     ap.add_argument("--ttft-ms", type=float, default=30.0)
     ap.add_argument("--decode-ms", type=float, default=300.0)
@@ -457,8 +539,7 @@ def main(argv=None) -> int:
                     "<commit> tokenmill | tar -x -C DIR`)")
     ap.add_argument("--py-spy", metavar="DIR", help="profile each server with py-spy (installed separately) into "
                     "DIR/<server>-<mode>.txt (collapsed stacks); its sampling costs CPU, so not a latency run")
-    ap.add_argument("--pin", action="store_true", help="server on core 0 alone, client and stub workers on the "
-                    "other cores (a picker with a core of its own; the client is not its neighbour)")
+    ap.add_argument("--pin", action="store_true", help="same as --placement pinned")
     ap.add_argument("--in-process", type=int, metavar="N", help="no gRPC: feed N requests' messages to the "
                     "picker's handler in this process and print its own CPU per request")
     ap.add_argument("--trace", metavar="DIR", help="write each row's (start, latency) per request to DIR")
@@ -483,37 +564,43 @@ def main(argv=None) -> int:
     from tokenmill.hardware import capabilities
 
     print(f"# CPU: {capabilities().summary()}", flush=True)
-    print(f"# {args.rate:g} decisions/s offered for {args.duration:g} s per mode, {args.workers} endpoints, "
-          f"simulated TTFT {args.ttft_ms:g} ms + decode {args.decode_ms:g} ms, {os.cpu_count()} cores"
-          f"{', server pinned to core 0' if args.pin else ''}, {args.channels} client connection(s)", flush=True)
+    patterns = args.pattern or (["resp-headers"] if args.no_response_body else ["full"])
+    placements = args.placement or (["pinned"] if args.pin else ["shared"])
+    if "pinned" in placements and not {0, 1} <= os.sched_getaffinity(0):
+        ap.error("--placement pinned needs cores 0 and 1")
+    print(f"# {args.rate:g} decisions/s offered for {args.duration:g} s per row, {args.workers} endpoints, "
+          f"simulated TTFT {args.ttft_ms:g} ms + decode {args.decode_ms:g} ms ({args.chunks} response chunks in "
+          f"the full pattern), {os.cpu_count()} cores, {args.channels} client connection(s), client loop "
+          f"{args.client_loop}", flush=True)
     ports = [free_port() for _ in range(args.workers)]
-    if args.pin:
-        rest = sorted(os.sched_getaffinity(0) - {0})
-        if not rest:
-            ap.error("--pin needs at least 2 cores")
-        os.sched_setaffinity(0, rest)  # this client, and the stub workers it starts
     stubs = subprocess.Popen([PY, __file__, "--stub-workers", ",".join(map(str, ports))], env=ENV)
     rows = []
     try:
         wait_http(f"http://127.0.0.1:{ports[0]}/health")
-        for server in args.server or ["picker"]:
-            for mode in (args.admission or ["off", "leading"]) if server in PICKERS else ["-"]:
-                rows.append(run_one(server, mode, ports, args, stubs.pid))
+        for placement in placements:
+            for pattern in patterns:
+                for server in args.server or ["picker"]:
+                    for mode in (args.admission or ["off", "leading"]) if server in PICKERS else ["-"]:
+                        rows.append(run_one(server, mode, ports, args, stubs.pid, pattern, placement))
     finally:
         stubs.terminate()
         stubs.wait(10)
-    print("| server | decisions/s done | p50 ms | p90 ms | p99 ms | max ms | client lag p99 ms "
-          "| server CPU ms/request | server loop thread busy | client CPU ms/request | in-picker <= 0.5 / 1 / 2 ms | picker GC pauses (total ms; long) "
-          "| held | other load (cores) | TCP zero-window / loss probe / RTO | answers | endpoints used |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for label, done, p50, p90, p99, mx, lag, cpu, ccpu, outcomes, used, inside, gcs, held, others, tcp, loop in rows:
+    print("| placement, pattern, server | decisions/s done | p50 ms | p90 ms | p99 ms | max ms "
+          "| picker e2e p50 / p99 ms (<= 2 ms) | client lag p99 ms "
+          "| server CPU ms/request | server loop thread busy | client CPU ms/request | in-picker <= 0.5 / 1 / 2 ms "
+          "| picker GC pauses (total ms; long) | held | other load (cores) | TCP zero-window / loss probe / RTO "
+          "| answers | endpoints used |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (label, done, p50, p90, p99, mx, lag, cpu, ccpu, outcomes, used, inside, gcs, held, others, tcp, loop,
+         e2e) in rows:
         answers = ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items()))
         shares = " / ".join(f"{100 * inside[le]:.1f}%" for le in (0.0005, 0.001, 0.002)) if inside else "-"
-        gcs_text = "-" if gcs is None or gcs == (0, 0, 0) and label.startswith("baseline") else \
+        gcs_text = "-" if gcs is None or gcs == (0, 0, 0) and "baseline" in label else \
             f"{gcs[0]:.0f} ({gcs[1]:.1f}; {gcs[2]:.0f} > 5 ms)"
-        print(f"| {label} | {done:.0f} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {mx:.2f} | {lag:.2f} | {cpu:.3f} | {100 * loop:.0f}% "
-              f"| {ccpu:.3f} | {shares} | {gcs_text} | {'-' if held is None else f'{held:.0f}'} | {others:.2f} | {tcp} "
-              f"| {answers} | {used} |")
+        e2e_text = "-" if e2e is None else f"{e2e[0]:.2f} / {e2e[1]:.2f} ({100 * e2e[2]:.1f}%)"
+        print(f"| {label} | {done:.0f} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {mx:.2f} | {e2e_text} | {lag:.2f} "
+              f"| {cpu:.3f} | {100 * loop:.0f}% | {ccpu:.3f} | {shares} | {gcs_text} "
+              f"| {'-' if held is None else f'{held:.0f}'} | {others:.2f} | {tcp} | {answers} | {used} |")
     return 0
 
 

@@ -470,3 +470,59 @@ def test_tokenmill_route_cli_serves_the_epp_beside_http_and_discovers_workers_by
                 out = proc.communicate(timeout=20)[0].decode()
             assert f"epp=grpc://127.0.0.1:{eport}" in out and f"dns:localhost:{wport}" in out
     run(main())
+
+
+def e2e_samples(router) -> tuple[float, float, dict[str, float]]:
+    """(count, sum, cumulative buckets) of tokenmill_router_epp_e2e_seconds."""
+    count = total = 0.0
+    buckets = {}
+    for line in router.metrics.render().decode().splitlines():
+        if line.startswith("tokenmill_router_epp_e2e_seconds_count"):
+            count = float(line.split()[-1])
+        elif line.startswith("tokenmill_router_epp_e2e_seconds_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith("tokenmill_router_epp_e2e_seconds_bucket"):
+            buckets[line.split('le="')[1].split('"')[0]] = float(line.split()[-1])
+    return count, total, buckets
+
+
+def test_the_e2e_histogram_times_headers_arrival_to_answer_written_for_picks_and_refusals():
+    router = make_router(admission=AdmissionConfig(mode="off"))
+
+    async def main(envoy, server):
+        # the gateway sends the headers, then the body 0.25 s later: the server-side e2e (headers read ->
+        # answer written) covers the wait, the decision histogram (body complete -> picked) does not
+        call = envoy.open()
+        await call.write(envoy.headers())
+        await asyncio.sleep(0.25)
+        await call.write(envoy.body(json.dumps({"prompt": "hello " * 20, "max_tokens": 4}).encode()))
+        assert picked(await call.read()) in ENDPOINTS
+        await call.read()
+        await asyncio.sleep(0.05)
+        count, total, buckets = e2e_samples(router)
+        assert count == 1 and 0.25 <= total < 1.0 and buckets["0.25"] == 0 and buckets["1.0"] == 1
+        assert "tokenmill_router_epp_decision_seconds_bucket{le=\"0.25\"} 1.0" in router.metrics.render().decode()
+        await finish(call, envoy)
+        # a refusal is an answer too (400 here); the response path after the answer adds no sample
+        bad, imm = await pick_full_duplex(envoy, {"prompt": "x", "max_tokens": -1})
+        assert imm.status.code == 400
+        await asyncio.sleep(0.05)
+        count, total2, _ = e2e_samples(router)
+        assert count == 2 and total2 - total < 0.25  # answered at once: no wait between its messages
+
+    run(with_epp(router, main))
+
+
+def test_the_picker_serves_on_uvloop():
+    uvloop = pytest.importorskip("uvloop")
+    router = make_router(admission=AdmissionConfig(mode="off"))
+
+    async def main(envoy, server):
+        assert type(asyncio.get_running_loop()).__module__.startswith("uvloop")
+        call, ep = await pick_full_duplex(envoy, {"prompt": "hello " * 20, "max_tokens": 4, "stream": True})
+        assert ep in ENDPOINTS
+        await finish(call, envoy, stream=True)
+        await asyncio.sleep(0.05)
+        assert router.in_flight == 0 and e2e_samples(router)[0] == 1
+
+    uvloop.run(with_epp(router, main))

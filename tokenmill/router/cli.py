@@ -14,6 +14,7 @@ import dataclasses
 import logging
 
 from tokenmill.router.admission import MODES
+from tokenmill.router.event_loop import EVENT_LOOPS
 from tokenmill.router.policies import POLICIES
 
 
@@ -35,6 +36,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="router config, JSON or TOML (see tokenmill/router/config.py)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT: 503 to new requests, in-flight ones get this long (default: %(default)s)")
+    p.add_argument("--event-loop", default="auto", choices=EVENT_LOOPS,
+                   help="asyncio event loop: uvloop if installed (auto, the default), uvloop, or asyncio")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
     return p
@@ -79,9 +82,8 @@ def build_config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    import asyncio
-
     from tokenmill.cli import CLIError
+    from tokenmill.router import event_loop
     from tokenmill.router.app import create_app
     from tokenmill.router.app import run as run_app
     from tokenmill.router.cluster import attach
@@ -90,14 +92,18 @@ def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     if not args.drain_timeout >= 0:
         raise CLIError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    try:
+        loop_name, new_loop = event_loop.loop_factory(getattr(args, "event_loop", "auto"))
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = create_app(Router(cfg))
     attach(app)
     workers = ", ".join([w.url for w in cfg.workers] + [f"dns:{t}" for t in cfg.worker_dns])
     epp = f" epp=grpc://{cfg.host}:{cfg.epp_port}" if cfg.epp_port is not None else ""
     print(f"tokenmill route: http://{cfg.host}:{cfg.port}{epp} policy={cfg.policy} admission={cfg.admission.mode} "
-          f"workers={workers}", flush=True)
+          f"loop={loop_name} workers={workers}", flush=True)
     try:
-        return asyncio.run(run_app(app, cfg.host, cfg.port, args.drain_timeout))
+        return event_loop.run(run_app(app, cfg.host, cfg.port, args.drain_timeout), new_loop)
     except OSError as e:  # address in use, permission denied
         raise CLIError(f"cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}") from None

@@ -64,6 +64,8 @@ HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 COMPLETION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25, 1.0)
+E2E_BUCKETS = (0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25,
+               1.0, 2.5)
 
 
 def endpoint_of(url: str) -> str:
@@ -135,6 +137,13 @@ class EppMetrics:
                                 ["outcome"], registry=registry)
         self.decision = Histogram("tokenmill_router_epp_decision_seconds", "Request body complete -> endpoint "
                                   "picked (admission holds included)", buckets=DECISION_BUCKETS, registry=registry)
+        # the picker's side of the gateway's wait, as the extension's reference picker reports its scheduling
+        # latency: the first message of the stream (the request headers) read by the servicer -> the answer (the
+        # endpoint, or a 429/503/400) handed to gRPC and written. Queueing on the picker's event loop between
+        # the two messages is in it; the network and the gateway's own gRPC client are not.
+        self.e2e = Histogram("tokenmill_router_epp_e2e_seconds", "ext_proc request headers received -> the "
+                             "answer (picked endpoint or ImmediateResponse) written to the stream",
+                             buckets=E2E_BUCKETS, registry=registry)
         self.picked = self.requests.labels("picked")
 
 
@@ -158,6 +167,7 @@ class _Exchange:
     outcome: str = "cancelled"  # the gateway closed the stream before any response (client gone, upstream failed)
     done: bool = False
     prefill_timer: asyncio.TimerHandle | None = None
+    answered: bool = False  # the answer to the request (endpoint or refusal) was returned by handle()
 
     async def handle(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if req.HasField("protocol_config"):
@@ -179,6 +189,7 @@ class _Exchange:
                 return [self._body_passthrough(req.request_body.body, req.request_body.end_of_stream)]
             self.body += req.request_body.body
             if len(self.body) > self.router.cfg.max_body_bytes:
+                self.answered = True
                 self.metrics.requests.labels("bad_request").inc()
                 return [_immediate(413, f"the request body exceeds {self.router.cfg.max_body_bytes} bytes",
                                    "body_too_large")]
@@ -226,6 +237,7 @@ class _Exchange:
     async def _pick(self, body: bytes, phase: str) -> list[pb.ProcessingResponse]:
         router, m = self.router, self.metrics
         t0 = time.perf_counter()
+        self.answered = True  # every return below is the answer
         try:
             ctx = self._new_request(body)
         except InvalidRequestError as e:
@@ -323,10 +335,16 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator, context):
         ex = _Exchange(self.router, self.metrics)
+        arrived, timed = None, False
         try:
             async for req in request_iterator:
+                if arrived is None:
+                    arrived = time.perf_counter()
                 for resp in await ex.handle(req):
-                    yield resp
+                    yield resp  # resumes once grpc.aio has written it
+                if ex.answered and not timed:
+                    timed = True
+                    self.metrics.e2e.observe(time.perf_counter() - arrived)
         finally:
             ex.close()
 
