@@ -261,9 +261,15 @@ async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, de
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(i, due)))
     try:
-        await asyncio.gather(*tasks, return_exceptions=False)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         gc.enable()
+    for e in results:  # a stream the server ended with an error: counted as an answer of its own, not a crash
+        if isinstance(e, grpc.aio.AioRpcError):
+            key = f"gRPC {e.code().name}"
+            outcomes[key] = outcomes.get(key, 0) + 1
+        elif isinstance(e, BaseException):
+            raise e
     for c in channels:
         await c.close()
     return {"lat": lat, "lags": lags, "outcomes": outcomes, "picks": picks, "wall_s": time.perf_counter() - start,
@@ -497,7 +503,11 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
         for p, pid in zip(procs, pids if "pids" in locals() else [p.pid for p in procs]):
             os.kill(pid, signal.SIGTERM)  # (under py-spy: it writes its profile when its target exits)
         for p in procs:
-            p.wait(30)
+            try:
+                p.wait(40)  # its drain: in-flight streams get up to 30 s
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
     lat = [x * 1e3 for x in r["lat"]]
     if args.trace:  # (start s, latency ms) of every request, to see whether the tail is one stall or spread
         Path(args.trace).mkdir(parents=True, exist_ok=True)
@@ -582,6 +592,7 @@ def main(argv=None) -> int:
                 for server in args.server or ["picker"]:
                     for mode in (args.admission or ["off", "leading"]) if server in PICKERS else ["-"]:
                         rows.append(run_one(server, mode, ports, args, stubs.pid, pattern, placement))
+                        print("# row:", rows[-1][:9], rows[-1][9], rows[-1][-1], flush=True)
     finally:
         stubs.terminate()
         stubs.wait(10)
@@ -593,7 +604,7 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (label, done, p50, p90, p99, mx, lag, cpu, ccpu, outcomes, used, inside, gcs, held, others, tcp, loop,
          e2e) in rows:
-        answers = ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items()))
+        answers = ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items(), key=str))
         shares = " / ".join(f"{100 * inside[le]:.1f}%" for le in (0.0005, 0.001, 0.002)) if inside else "-"
         gcs_text = "-" if gcs is None or gcs == (0, 0, 0) and "baseline" in label else \
             f"{gcs[0]:.0f} ({gcs[1]:.1f}; {gcs[2]:.0f} > 5 ms)"
