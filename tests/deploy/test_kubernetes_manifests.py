@@ -50,9 +50,9 @@ def ports(c: dict) -> dict[str, int]:
 
 def test_every_manifest_is_valid_against_the_kubernetes_schemas():
     docs = documents()
-    assert {f for f, _ in docs} == {"worker.yaml", "router.yaml", "epp.yaml"}
+    assert {f for f, _ in docs} == {"worker.yaml", "router.yaml", "epp.yaml", "epp-envoy.yaml"}
     core = [(f, d) for f, d in docs if d["kind"] != "InferencePool"]
-    assert len(core) == 6
+    assert len(core) == 9
     for version in K8S_VERSIONS:
         for f, doc in core:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -165,3 +165,66 @@ def test_ports_probes_and_flags_match_the_cli_and_the_apps():
             assert [p["number"] for p in pool["spec"]["targetPorts"]] == [serve.port]
         else:
             assert cfg.epp_port is None
+
+
+def envoy_bootstrap():
+    """epp-envoy.yaml's Envoy config parsed into Envoy's own Bootstrap proto (xds-protos): unknown fields,
+    misspelt enum values and unknown typed_config types are errors, as Envoy itself would reject them."""
+    from envoy.config.bootstrap.v3 import bootstrap_pb2
+    from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401 (typed_config types)
+    from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
+    from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2  # noqa: F401
+    from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2  # noqa: F401
+    from google.protobuf import json_format
+
+    text = by_kind("ConfigMap", "tokenmill-envoy")["data"]["envoy.yaml"]
+    return json_format.ParseDict(yaml.safe_load(text), bootstrap_pb2.Bootstrap()), text
+
+
+def test_the_envoy_gateway_config_parses_and_sends_the_picker_only_what_it_needs():
+    from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+    from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2
+    from google.protobuf import json_format
+
+    from tokenmill.router.cli import build_config
+    from tokenmill.router.epp import DESTINATION_HEADER
+
+    boot, text = envoy_bootstrap()
+    (listener,) = boot.static_resources.listeners
+    hcm = http_connection_manager_pb2.HttpConnectionManager()
+    listener.filter_chains[0].filters[0].typed_config.Unpack(hcm)
+    filters = {f.name: f for f in hcm.http_filters}
+    assert list(filters) == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]  # the router last
+    ext = ext_proc_pb2.ExternalProcessor()
+    filters["envoy.filters.http.ext_proc"].typed_config.Unpack(ext)
+    mode, pm = ext.processing_mode, processing_mode_pb2.ProcessingMode
+    assert (mode.request_header_mode, mode.request_body_mode, mode.request_trailer_mode) == (
+        pm.SEND, pm.FULL_DUPLEX_STREAMED, pm.SEND)
+    assert (mode.response_header_mode, mode.response_body_mode, mode.response_trailer_mode) == (
+        pm.SEND, pm.NONE, pm.SKIP)
+    assert not ext.failure_mode_allow
+    clusters = {c.name: c for c in boot.static_resources.clusters}
+    workers = clusters[hcm.route_config.virtual_hosts[0].routes[0].route.cluster]
+    assert workers.type == workers.ORIGINAL_DST and workers.original_dst_lb_config.use_http_header
+    assert workers.original_dst_lb_config.http_header_name == DESTINATION_HEADER
+    epp = clusters[ext.grpc_service.envoy_grpc.cluster_name]
+    (address,) = [e.endpoint.address.socket_address for loc in epp.load_assignment.endpoints for e in loc.lb_endpoints]
+    picker = by_kind("Deployment", "tokenmill-epp")
+    svc = by_kind("Service", "tokenmill-epp")
+    assert address.address.startswith(svc["metadata"]["name"] + ".")
+    (svc_port,) = [p for p in svc["spec"]["ports"] if p["port"] == address.port_value]
+    assert ports(container(picker))[svc_port["targetPort"]] == build_config(cli_args(container(picker))).epp_port
+    # the ports the Deployment and Service expose are the ones Envoy listens on
+    envoy = container(by_kind("Deployment", "tokenmill-envoy"))
+    assert ports(envoy)["http"] == listener.address.socket_address.port_value
+    assert ports(envoy)["admin"] == boot.admin.address.socket_address.port_value
+    assert envoy["readinessProbe"]["httpGet"]["port"] == "admin"
+    gateway = by_kind("Service", "tokenmill-gateway")
+    assert gateway["spec"]["selector"].items() <= by_kind("Deployment", "tokenmill-envoy")["spec"]["template"][
+        "metadata"]["labels"].items()
+    # the parse is strict: a misspelt field or mode is an error, as Envoy would reject it
+    for wrong in ("response_body_mode: NONE", "use_http_header: true"):
+        with pytest.raises(json_format.ParseError):
+            json_format.ParseDict(yaml.safe_load(text.replace(wrong, wrong.replace("_mode: NONE", "_mode: NOPE")
+                                                              .replace("use_http_header", "use_http_headr"))),
+                                  type(boot)())
