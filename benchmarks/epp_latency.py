@@ -3,6 +3,8 @@
     python benchmarks/epp_latency.py                             # 500/s for 10 s, admission off then leading
     python benchmarks/epp_latency.py --rate 1000 --duration 20 --workers 16
     python benchmarks/epp_latency.py --no-response-body         # the gateway streams no response body to it
+    python benchmarks/epp_latency.py --placement shared --placement pinned --pattern full --pattern resp-headers \
+        --server echo-aio --server picker --server picker-uvloop   # one run: placements x patterns x servers
 
 Three processes: stub workers (one aiohttp process answering /health, /metrics and /v1/models on
 `--workers` ports: the picker probes them but never sends them requests), the real `tokenmill route

@@ -526,3 +526,31 @@ def test_the_picker_serves_on_uvloop():
         assert router.in_flight == 0 and e2e_samples(router)[0] == 1
 
     uvloop.run(with_epp(router, main))
+
+
+def test_a_full_duplex_body_that_ends_with_trailers_is_picked_at_the_trailers():
+    router = make_router(admission=AdmissionConfig(mode="off"))
+    data = json.dumps({"prompt": "hello " * 20, "max_tokens": 4}).encode()
+
+    async def main(envoy, server):
+        call = envoy.open()
+        await call.write(envoy.headers())
+        await call.write(envoy.body(data, eos=False))  # the body's end is signalled by the trailers
+        await call.write(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+        first = await call.read()
+        assert first.HasField("request_headers") and picked(first) in ENDPOINTS
+        body = (await call.read()).request_body.response.body_mutation.streamed_response
+        assert body.body == data and not body.end_of_stream  # the trailers end the request, not the body
+        assert (await call.read()).HasField("request_trailers")
+        assert router.in_flight == 1
+        await finish(call, envoy)
+        # refused at the trailers: the immediate response alone
+        call = envoy.open()
+        await call.write(envoy.headers())
+        await call.write(envoy.body(b'{"prompt": "x", "max_tokens": -1}', eos=False))
+        await call.write(pb.ProcessingRequest(request_trailers=pb.HttpTrailers()))
+        assert (await call.read()).immediate_response.status.code == 400
+        await asyncio.sleep(0.05)
+        assert router.in_flight == 0
+
+    run(with_epp(router, main))

@@ -199,7 +199,13 @@ class _Exchange:
                 return [BODY_ACK]
             return await self._pick(bytes(self.body), "request_body")
         if which == "request_trailers":
-            return [pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+            trailers = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+            if self.full_duplex_request and not self.answered:
+                # the body ended with trailers instead of end_of_stream (FULL_DUPLEX_STREAMED needs
+                # request_trailer_mode SEND): the body is complete now, pick; its passthrough is not the end
+                out = await self._pick(bytes(self.body), "request_body", body_eos=False)
+                return out if self.ctx is None else [*out, trailers]
+            return [trailers]
         if which == "response_headers":
             self._served(req.metadata_context, req.response_headers)
             if req.response_headers.end_of_stream:
@@ -234,7 +240,7 @@ class _Exchange:
             ctx.only = frozenset(by_endpoint[e] for e in self.subset if e in by_endpoint)
         return ctx
 
-    async def _pick(self, body: bytes, phase: str) -> list[pb.ProcessingResponse]:
+    async def _pick(self, body: bytes, phase: str, body_eos: bool = True) -> list[pb.ProcessingResponse]:
         router, m = self.router, self.metrics
         t0 = time.perf_counter()
         self.answered = True  # every return below is the answer
@@ -269,7 +275,7 @@ class _Exchange:
         if phase == "request_headers":
             return [as_headers]
         if self.full_duplex_request:  # the held headers, then the whole body
-            return [as_headers, self._body_passthrough(body, True)]
+            return [as_headers, self._body_passthrough(body, body_eos)]
         return [as_body]
 
     def _served(self, md: base_pb2.Metadata, headers: pb.HttpHeaders) -> None:
