@@ -7,12 +7,14 @@
 The core is server/engine_core.py's EngineCore. Two transports, one front-end:
 - process (`tokenmill serve`'s default; `engine` is an EngineProcess): commands leave as one frame per
   event-loop iteration over a socketpair, StepResults come back one frame per step and are read by the
-  event loop itself (asyncio streams: no thread, no GIL hand-off). If the core process dies, every request
-  in flight ends with EngineError, `alive` turns False and `on_core_exit` is called (the server exits
-  non-zero).
+  event loop itself (asyncio streams: no thread, no GIL hand-off). The core sends token ids only: this side
+  detokenizes and applies stop strings (engine/output_processor.py) and aborts in the core each request a
+  stop string ended (in its next command frame). If the core process dies, every request in flight ends
+  with EngineError, `alive` turns False and `on_core_exit` is called (the server exits non-zero).
 - thread (`--engine-process off`, and tests over a fake engine; `engine` is an LLMEngine or anything with
   its interface): the core runs in a thread; commands go in through a deque guarded by a condition (the
-  thread sleeps on it when idle), each StepResult comes back through `loop.call_soon_threadsafe`.
+  thread sleeps on it when idle), each StepResult comes back through `loop.call_soon_threadsafe`. The
+  engine there makes its own text (LLMEngine's step() runs the same OutputProcessor class).
 
 Latencies (TTFT, inter-token, end-to-end) are measured from the request's arrival at the server to the
 step's end time the core reports (time.perf_counter: CLOCK_MONOTONIC, one clock for both processes; the
