@@ -38,12 +38,26 @@ def engine(tiny_dir, **kw):
                                   max_model_len=kw.pop("max_model_len", 512), **kw))
 
 
-@pytest.fixture(scope="module")
-def real(tiny_dir):
-    with ServerThread(engine(tiny_dir)) as s:
-        s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-        s.model = s.engine.model_name
-        yield s
+@pytest.fixture(scope="module", params=["thread", "process"])
+def real(tiny_dir, request):
+    """The server over the engine in a thread of its own, and over an engine core process (`tokenmill
+    serve`'s default: token ids cross the boundary, text and stop strings are made in the front-end)."""
+    if request.param == "thread":
+        eng = engine(tiny_dir)
+    else:
+        from tokenmill.server.engine_process import EngineProcess
+
+        eng = EngineProcess(EngineConfig(model=tiny_dir, kv_cache_bytes=16 << 20, max_model_len=512))
+        eng.start()
+    try:
+        with ServerThread(eng) as s:
+            s.client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+            s.model = s.engine.model_name
+            s.mode = request.param
+            yield s
+    finally:
+        if request.param == "process":
+            eng.close()
 
 
 def test_greedy_matches_offline_engine(real, tiny_dir):
@@ -54,6 +68,59 @@ def test_greedy_matches_offline_engine(real, tiny_dir):
     streamed = "".join(c.choices[0].text for c in real.client.completions.create(
         model=real.model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True}))
     assert streamed == text
+
+
+def test_stop_string_matches_offline_and_frees_kv(real, tiny_dir):
+    """A stop string whose characters come from two tokens (so two steps): the text, finish/stop reason and
+    usage of the offline API, streamed or not; the request's KV blocks are freed afterwards (in process mode:
+    by the front-end's abort of a request the core still ran)."""
+    from tokenmill.engine.llm import LLM
+    from tokenmill.engine.sampling_params import SamplingParams
+
+    llm = LLM(config=EngineConfig(model=tiny_dir, kv_cache_bytes=16 << 20, max_model_len=512))
+    tok = llm.tokenizer
+    free = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0].outputs[0]
+    ids = free.token_ids
+    stop = None
+    for k in range(len(ids) // 3, len(ids) - 1):  # the stop string straddles the boundary after token k
+        a, b = tok.decode(ids[:k]), tok.decode(ids[:k + 1])
+        cand = b[len(a) - 2:len(a) + 2] if b.startswith(a) and len(a) >= 2 and len(b) - len(a) >= 2 else ""
+        if cand.strip() and "\ufffd" not in b and free.text.find(cand) == len(a) - 2:
+            stop = cand
+            break
+    assert stop is not None, free.text
+    n_ref = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))  # independent reference
+    text_ref = free.text[:free.text.index(stop)]
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, stop=[stop])
+    off = llm.generate([PROMPT], params)[0].outputs[0]
+    assert (off.text, len(off.token_ids), off.stop_reason) == (text_ref, n_ref, stop)
+
+    body = dict(model=real.model, prompt=PROMPT, max_tokens=400, temperature=0, stop=[stop],
+                extra_body={"ignore_eos": True})
+    generated = real.state()["stats"]["generation_tokens_total"]
+    r = real.client.completions.create(**body)
+    assert r.choices[0].text == text_ref and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == n_ref
+    assert r.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(real.client.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    sent = ""
+    for c in chunks:
+        for ch in c.choices:
+            sent += ch.text
+            assert text_ref.startswith(sent)  # never a piece of the stop string, even held back a while
+    assert sent == text_ref and chunks[-1].usage.completion_tokens == n_ref
+    assert [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason] == ["stop"]
+    t0 = time.time()
+    while (real.state()["stats"]["kv_blocks_used"] or real.state()["stats"]["num_running"]) and time.time() - t0 < 5:
+        time.sleep(0.01)
+    st = real.state()
+    assert st["stats"]["kv_blocks_used"] == 0 and st["stats"]["num_running"] == 0 and st["num_in_flight"] == 0
+    # the core stopped generating for them at once (not at max_tokens): in process mode a step or two more
+    # ran before the front-end's abort arrived
+    extra = st["stats"]["generation_tokens_total"] - generated - 2 * n_ref
+    assert extra == 0 if real.mode == "thread" else 0 <= extra <= 8
+    if real.mode == "process":
+        assert st["stop_string_aborts"] >= 2
 
 
 def test_chat_stream_and_not(real):

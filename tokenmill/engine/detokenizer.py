@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop-string handling for one request."""
+"""Incremental detokenization and stop-string handling for one request (used by engine/output_processor.py)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded so far (stop string cut off once found)
         self.emitted = 0  # chars of text already returned
 
-    def add(self, token_ids: list[int]) -> str | None:
-        """Add tokens; returns the stop string if one was hit."""
-        self.ids.extend(token_ids)
+    def add(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Add one token; returns the stop string if it completed one (looked for only with `check_stop`:
+        before `min_tokens` a stop string stays in the text)."""
+        self.ids.append(token_id)
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset])
         full = self.tok.decode(self.ids[self.prefix_offset:])
         if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more tokens
@@ -33,6 +34,8 @@ class IncrementalDetokenizer:
             return None
         start = max(0, len(self.text) - self.hold)
         self.text += new
+        if not check_stop:
+            return None
         hits = [(pos, s) for s in self.stop if (pos := self.text.find(s, start)) >= 0]
         if hits:
             pos, s = min(hits)

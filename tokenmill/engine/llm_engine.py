@@ -9,8 +9,8 @@ import time
 import torch
 
 from tokenmill.engine.config import EngineConfig
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv.kv_manager import KVCacheManager
+from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import EngineStats, RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import ModelOutput, ModelRunner
@@ -30,7 +30,10 @@ TIER_IDLE_WAIT_S = 0.005  # a step with only parked requests waits this long at 
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
+    """`detokenize=False` (the core process of `tokenmill serve`): outputs carry token ids only, and stop
+    strings are the caller's (its OutputProcessor finishes those requests and aborts them here)."""
+
+    def __init__(self, config: EngineConfig | None = None, *, detokenize: bool = True, **kwargs):
         self.config = config or EngineConfig.from_kwargs(**kwargs)
         c = self.config
         if c.num_threads:
@@ -74,7 +77,7 @@ class LLMEngine:
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(self.tokenizer) if detokenize else None  # text + stop strings
         self._gens: dict[str, torch.Generator] = {}
         self.num_steps = 0
         self.last_first_scheduled: list[str] = []  # ids the last step scheduled for the first time
@@ -146,7 +149,8 @@ class LLMEngine:
                       ttft_deadline=float("inf") if ttft_deadline is None else ttft_deadline, tpot_slo_s=tpot_slo_s,
                       rank=rank)
         self.scheduler.add(req)
-        self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
+        if self.output_processor is not None:
+            self.output_processor.add(request_id, params)
         if params.seed is not None:
             self._gens[request_id] = torch.Generator().manual_seed(params.seed)
         self.prompt_tokens_total += n
@@ -156,6 +160,8 @@ class LLMEngine:
         if req is not None:
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             self._forget(request_id)
+        if self.output_processor is not None:
+            self.output_processor.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -176,6 +182,18 @@ class LLMEngine:
     def step(self, now: float | None = None, token_budget: int | None = None) -> list[RequestOutput]:
         """Schedule, execute, and make output. `now`: the caller's clock for TTFT deadlines (None: ignore
         them); `token_budget`: at most this many tokens in this step (default max_num_batched_tokens)."""
+        outs = self._step(now, token_budget)
+        if self.output_processor is None or not outs:
+            return outs
+        outs, stopped = self.output_processor.process_step(outs)
+        for rid in stopped:  # a stop string ended it: finished now, as the core process does on the abort
+            req = self.scheduler.requests.get(rid)
+            if req is not None:
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+                self._forget(rid)
+        return outs
+
+    def _step(self, now: float | None, token_budget: int | None) -> list[RequestOutput]:
         if self.tiers is not None:
             self._tier_loads()
         spec = self.spec
@@ -243,13 +261,12 @@ class LLMEngine:
                 continue
             req = self.scheduler.requests[s.request_id]
             toks, lps = emitted[s.request_id]
-            detok = self._detok[req.request_id]
             status, new = None, []
             for tok in toks:
                 req.append_output(tok)
                 new.append(tok)
                 self.generation_tokens_total += 1
-                status = self._check_stop(req, tok, detok)
+                status = self._check_stop(req, tok)
                 if status is not None:
                     break
             finished = status is not None
@@ -258,7 +275,7 @@ class LLMEngine:
             elif req.request_id in verified:
                 spec.rollback(self.scheduler, req, verified[req.request_id])
             outputs.append(RequestOutput(
-                request_id=req.request_id, new_token_ids=new, new_text=detok.take(finished), text=detok.text,
+                request_id=req.request_id, new_token_ids=new, new_text="", text="",
                 output_token_ids=req.output_token_ids, num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=max(req.num_cached_tokens, 0), finished=finished,
                 finish_reason=status.value if status else None, stop_reason=req.stop_reason,
@@ -301,13 +318,12 @@ class LLMEngine:
         for req, tok, lp in zip(reqs, result.token_ids, result.logprobs):
             req.append_output(tok)
             self.generation_tokens_total += 1
-            detok = self._detok[req.request_id]
-            status = self._check_stop(req, tok, detok)
+            status = self._check_stop(req, tok)
             finished = status is not None
             if finished:
                 self.scheduler.finish(req, status)
             outputs.append(RequestOutput(
-                request_id=req.request_id, new_token_ids=[tok], new_text=detok.take(finished), text=detok.text,
+                request_id=req.request_id, new_token_ids=[tok], new_text="", text="",
                 output_token_ids=req.output_token_ids, num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=max(req.num_cached_tokens, 0), finished=finished,
                 finish_reason=status.value if status else None, stop_reason=req.stop_reason,
@@ -316,16 +332,13 @@ class LLMEngine:
                 self._forget(req.request_id)
         return outputs
 
-    def _check_stop(self, req: Request, tok: int, detok: IncrementalDetokenizer) -> RequestStatus | None:
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        """What needs no text: EOS, stop token ids, max_tokens, the context length (stop strings: the
+        OutputProcessor's)."""
         p = req.params
         n_out = len(req.output_token_ids)
         if n_out >= p.min_tokens and ((tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             req.stop_reason = tok if tok in p.stop_token_ids else None
-            detok.add([])
-            return RequestStatus.FINISHED_STOPPED
-        hit = detok.add([tok])
-        if hit is not None and n_out >= p.min_tokens:
-            req.stop_reason = hit
             return RequestStatus.FINISHED_STOPPED
         if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
@@ -350,7 +363,6 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         if self.tiers is not None:
             self.tiers.forget(request_id)
-        self._detok.pop(request_id, None)
         self._gens.pop(request_id, None)
         if self.spec is not None:
             self.spec.forget(request_id)

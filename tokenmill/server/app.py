@@ -332,6 +332,7 @@ class OpenAIServer:
             "engine_step_seconds": self.engine.step_seconds, "stats": stats,
             "engine_core_pid": getattr(self.engine.engine, "pid", None), "draining": self.draining,
             "core_results": self.engine.num_results, "core_frames_sent": self.engine.frames_sent,
+            "stop_string_aborts": self.engine.stop_aborts,
         })
 
     # -- middlewares ------------------------------------------------------------------------------

@@ -7,12 +7,14 @@
 The core is server/engine_core.py's EngineCore. Two transports, one front-end:
 - process (`tokenmill serve`'s default; `engine` is an EngineProcess): commands leave as one frame per
   event-loop iteration over a socketpair, StepResults come back one frame per step and are read by the
-  event loop itself (asyncio streams: no thread, no GIL hand-off). If the core process dies, every request
-  in flight ends with EngineError, `alive` turns False and `on_core_exit` is called (the server exits
-  non-zero).
+  event loop itself (asyncio streams: no thread, no GIL hand-off). The core sends token ids only: this side
+  detokenizes and applies stop strings (engine/output_processor.py) and aborts in the core each request a
+  stop string ended (in its next command frame). If the core process dies, every request in flight ends
+  with EngineError, `alive` turns False and `on_core_exit` is called (the server exits non-zero).
 - thread (`--engine-process off`, and tests over a fake engine; `engine` is an LLMEngine or anything with
   its interface): the core runs in a thread; commands go in through a deque guarded by a condition (the
-  thread sleeps on it when idle), each StepResult comes back through `loop.call_soon_threadsafe`.
+  thread sleeps on it when idle), each StepResult comes back through `loop.call_soon_threadsafe`. The
+  engine there makes its own text (LLMEngine's step() runs the same OutputProcessor class).
 
 Latencies (TTFT, inter-token, end-to-end) are measured from the request's arrival at the server to the
 step's end time the core reports (time.perf_counter: CLOCK_MONOTONIC, one clock for both processes; the
@@ -32,6 +34,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.step_budget import StepBudget
@@ -168,6 +171,9 @@ class AsyncEngine:
         self._outbox: list = []
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
+        # the core process sends token ids: text and stop strings are made here (a local engine makes its own)
+        self.output_processor = None if self.in_process else OutputProcessor(engine.tokenizer)
+        self.stop_aborts = 0  # requests a stop string ended here, aborted in the core
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -234,6 +240,8 @@ class AsyncEngine:
         self._live[request_id] = _Track(time.perf_counter(), params.max_tokens, len(prompt_token_ids), collect)
         future = self._adding[request_id] = self._loop.create_future()
         self._adds_sent += 1
+        if self.output_processor is not None:
+            self.output_processor.add(request_id, params)
         self._send(AddCmd(request_id, prompt_token_ids, params, priority, ttft_deadline, tpot_slo_s, rank))
         try:
             await future
@@ -242,11 +250,15 @@ class AsyncEngine:
             raise
         except BaseException:
             self._streams.pop(request_id, None)
+            if self.output_processor is not None:
+                self.output_processor.forget(request_id)
             raise
         return stream
 
     def abort(self, request_id: str) -> None:
         """Abort a request in flight (client gone): its KV blocks are freed before the next step."""
+        if self.output_processor is not None:
+            self.output_processor.forget(request_id)
         if self._streams.pop(request_id, None) is not None:
             if request_id in self._live:
                 self._finished(request_id, "abort", time.perf_counter())
@@ -269,6 +281,9 @@ class AsyncEngine:
     def fail_all(self, message: str) -> None:
         """End every request in flight with EngineError(message) (shutdown, drain timeout, core death)."""
         rids = set(self._streams) | set(self._adding)
+        if self.output_processor is not None:
+            for rid in rids:
+                self.output_processor.forget(rid)
         for rid, fut in list(self._adding.items()):
             if not fut.done():
                 fut.set_exception(EngineError(message))
@@ -321,6 +336,8 @@ class AsyncEngine:
             if self.metrics:
                 self.metrics.engine_errors.inc()
             for rid in res.failed:
+                if self.output_processor is not None:
+                    self.output_processor.forget(rid)
                 if rid in self._live:
                     self._finished(rid, "error", now)
             self._fail(res.failed, res.fail_message or "engine error")
@@ -328,8 +345,14 @@ class AsyncEngine:
             track = self._live.get(rid)
             if track is not None and track.scheduled_at is None:
                 track.scheduled_at = res.t0
+        outputs = res.outputs
+        if self.output_processor is not None and outputs:
+            outputs, stopped = self.output_processor.process_step(outputs)
+            for rid in stopped:  # a stop string ended it here: the core frees its KV before its next step
+                self.stop_aborts += 1
+                self._send(AbortCmd(rid))
         deliver, firsts, finished = [], [], []
-        for out in res.outputs:
+        for out in outputs:
             track = self._live.get(out.request_id)
             if track is None:  # aborted meanwhile
                 continue

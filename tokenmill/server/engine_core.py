@@ -15,6 +15,11 @@ front-end: a CoreHello (or CoreFailed) once the model is loaded, then exactly on
 iteration. Outputs of requests still running carry their deltas only (`text`, `output_token_ids` empty):
 what crosses the boundary per step grows with the batch, not with the tokens generated so far.
 
+The core process makes no text (LLMEngine(detokenize=False)): its outputs carry token ids (and logprobs),
+and it finishes requests only for what needs no text (EOS, stop token ids, max_tokens, the context length).
+The front-end detokenizes, applies stop strings (engine/output_processor.py) and sends an AbortCmd for each
+request a stop string ended, in its next command frame.
+
 The core stops on a StopCmd (after aborting what is left) or when the front-end's end of the socket
 closes (the server died): no orphan engine. It ignores SIGINT/SIGTERM: the front-end owns the life cycle
 (a Ctrl-C or a SIGTERM to the process group drains through the front-end, which then stops the core).
@@ -269,7 +274,7 @@ def serve_core(sock: socket.socket) -> int:
     try:
         from tokenmill.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine(setup.engine_config)
+        engine = LLMEngine(setup.engine_config, detokenize=False)  # text and stop strings: the front-end's
     except TokenmillError as e:
         sock.sendall(frame(CoreFailed(str(e))))
         return 1
