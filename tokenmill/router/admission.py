@@ -137,7 +137,9 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
         return _lagging(snap, chosen, workers, cls, cfg, queue_room, held)
 
     budget, idle_budget = ttft_budget_s(snap, cls), idle_budget_s(cls, classes, cfg)
-    pred = {u: predicted_ttft_s(w, r) for u, w in workers.items()}
+    share = 1.0 / len(workers)  # the held requests ahead spread evenly over the workers (the optimistic split)
+    # its TTFT behind the held requests that go before it: a newcomer does not take a held request's turn
+    pred = {u: behind_ttft_s(w, r, share) for u, w in workers.items()}
 
     def meets(w: WorkerView) -> bool:
         """Predicted to meet its SLO there now (TTFT within what is left of the budget, TPOT)."""
@@ -166,13 +168,12 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
 
     gap_s = max(0.0, min(pred.values()) - min(budget, idle_budget))
     wait_s = max(0.0, cls.hold_deadline_s(r.arrival_s, min(w.ttft_base_s for w in workers.values())) - r.now)
-    share = 1.0 / len(workers)  # the held requests ahead spread evenly over the workers (the optimistic split)
 
     def hopeless(w: WorkerView) -> bool:
         """Held, it would be refused anyway: even the optimistic end of its TTFT behind the held requests
         ahead misses the budget now, or their work drained by its hold deadline at the band's fastest rate
         (1 / lo predicted seconds per second) still leaves more than the admission test then allows."""
-        behind = behind_ttft_s(w, r, share)
+        behind = pred[w.url]
         if behind * w.ttft_error_lo > budget:
             return True
         drain = {"fast": 1.0 / w.ttft_error_lo, "expected": 1.0, "slow": 1.0 / w.ttft_error_hi}[cfg.hold_drain]
