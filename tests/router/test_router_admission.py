@@ -118,12 +118,11 @@ def test_a_request_that_would_wait_behind_held_requests_counts_their_work_and_is
     band = dict(ttft_error_lo=0.7, ttft_error_hi=1.3)
     alone = decide([busy("a", 500, **band)], prompt_tokens=100)  # 0.6 s: admitted
     assert alone.action == "admit"  # nothing held: the queue cannot matter
-    assert decide([busy("a", 500, **band)], prompt_tokens=100, ahead=(3, 300)).action == "admit"  # meets now
     a = decide([busy("a", 850, **band)], prompt_tokens=100)  # 0.95 s: held (may meet before its deadline)
     assert (a.action, a.reason) == ("hold", "slo")
     a = decide([busy("a", 850, **band)], prompt_tokens=100, ahead=(2, 600))  # + 0.6 s held in front of it
     assert (a.action, a.reason) == ("reject", "slo")
-    assert a.retry_after_s == pytest.approx(0.0, abs=1e-9)  # the excess over the budget of the worker alone
+    assert a.retry_after_s == pytest.approx(0.55)  # the excess over the budget, the held work in front included
     a = decide([busy("a", 850, **band)], prompt_tokens=100, ahead=(1, 50))  # a little in front: still held
     assert a.action == "hold"
     # two workers: the held ones ahead spread over both (the optimistic split), so less in front on each
@@ -131,6 +130,37 @@ def test_a_request_that_would_wait_behind_held_requests_counts_their_work_and_is
     pair = [busy("a", 850, **band), busy("b", 850, **band)]
     assert decide(pair, prompt_tokens=100, ahead=(2, 200)).action == "hold"  # 1.05 s on either
     assert decide(pair, prompt_tokens=100, ahead=(2, 1200)).action == "reject"
+
+
+def test_a_newcomer_does_not_take_the_turn_of_held_requests_that_go_before_it():
+    """A held request was promised its turn: a newcomer that meets its SLO on the dispatched work alone but
+    not behind the held requests ahead of it is not admitted in front of them (the old rule admitted it, and
+    under overload the held ones, passed again and again, were refused at their hold deadline: late 429s).
+    It is admitted when it meets behind them too; the retry hint counts the held work."""
+    band = dict(ttft_error_lo=0.7, ttft_error_hi=1.3)
+    w = busy("a", 500, **band)  # 0.6 s alone: 0.78 s at the band's upper end, within the 1 s budget
+    assert decide([w], prompt_tokens=100).action == "admit"
+    a = decide([w], prompt_tokens=100, ahead=(3, 300))  # behind them 0.9 s, 1.17 s at the upper end
+    assert (a.action, a.reason) == ("hold", "slo")  # old rule: "admit"
+    assert a.retry_after_s == pytest.approx(0.0, abs=1e-9)  # 0.9 s predicted: within the budget, only the band misses
+    fits = decide([w], prompt_tokens=100, ahead=(1, 100))  # behind it 0.7 s, 0.91 s at the upper end
+    assert (fits.action, fits.predicted_ttft_s) == ("admit", pytest.approx(0.7))
+    # two workers: the held work ahead is spread over both; on either the newcomer fits behind its half
+    pair = [busy("a", 500, **band), busy("b", 500, **band)]
+    assert decide(pair, prompt_tokens=100, ahead=(3, 300)).action == "admit"  # 0.75 s x 1.3 = 0.975 s
+
+
+def test_work_that_passes_a_waiting_request_stretches_its_wait_not_its_own_prefill():
+    """`tokenmill serve` ranks cheap prompts first: the ones arriving while a long prompt waits take a share
+    p of the engine's time, so its wait for the work in front is 1 / (1 - p) times longer; its own prefill,
+    once started, is not interrupted. p = 0 (the router) leaves the prediction as it was."""
+    w = busy("a", 500)
+    r = RouteRequest("r", 0.0, 0.0, 100)
+    assert predicted_ttft_s(w, r) == pytest.approx(0.6)
+    passed = WorkerView("a", prefill_tokens=500, ttft_base_s=0.0, prefill_rate_tps=1000.0, passing_share=0.5)
+    assert predicted_ttft_s(passed, r) == pytest.approx(0.5 / 0.5 + 0.1)
+    assert decide([busy("a", 500, passing_share=0.5)], prompt_tokens=100).action != "admit"  # 1.1 s > 1 s
+    assert decide([busy("a", 200, passing_share=0.5)], prompt_tokens=100).action == "admit"  # 0.5 s
 
 
 def test_hold_drain_decides_whether_holding_can_still_get_it_admitted_before_its_hold_deadline():
@@ -200,9 +230,12 @@ def test_config_validation_names_the_field():
         AdmissionConfig(idle_headroom=0)
 
 
-def test_router_admits_a_request_that_meets_its_slo_even_while_others_of_its_class_are_held():
-    """Held requests wait because no worker is predicted to serve them in time; a later request that a
-    worker can serve in time (a shorter prompt here) is not queued behind them (it was, FIFO)."""
+def test_router_keeps_a_held_requests_turn_and_admits_the_newcomer_once_it_is_gone():
+    """A later request that would meet its SLO on the dispatched work alone (a shorter prompt here) is not
+    admitted in front of a held one of its class: behind it, it would not meet (held too, in order). The
+    old rule admitted it at once, and under sustained overload held requests were passed until their hold
+    deadline and refused late. Re-deciding the queue, each held request sees the ones still held before
+    it (the pump used to take them out of the queue while deciding, so the second saw nothing ahead)."""
     import asyncio
 
     async def run():
@@ -212,10 +245,16 @@ def test_router_admits_a_request_that_meets_its_slo_even_while_others_of_its_cla
         big_task = asyncio.ensure_future(router.acquire(big))
         await asyncio.sleep(0)
         assert router.queues.depths()["interactive"] == 1
-        small = await asyncio.wait_for(router.acquire(router.new_request(key(50), INTERACTIVE, 4)), 1.0)
-        assert small.worker == "http://a"  # 0.95 s predicted: admitted at once
-        assert router.queues.depths()["interactive"] == 1 and not big_task.done()
+        small_task = asyncio.ensure_future(router.acquire(router.new_request(key(50), INTERACTIVE, 4)))
+        await asyncio.sleep(0)  # 0.95 s alone, 1.15 s behind the held one: held behind it (old rule: admitted)
+        assert router.queues.depths()["interactive"] == 2 and not small_task.done()
+        router.pump()  # re-deciding both: the second still sees the first ahead of it
+        assert router.queues.depths()["interactive"] == 2 and not small_task.done()
         big_task.cancel()
+        await asyncio.sleep(0)
+        router.pump()
+        small = await asyncio.wait_for(small_task, 1.0)
+        assert small.worker == "http://a" and small.predicted_ttft_s == pytest.approx(0.95)
         await router.close()
 
     asyncio.run(run())

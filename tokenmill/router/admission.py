@@ -3,9 +3,17 @@
 `leading` (default) predicts from work the router has sent but not yet seen served:
 
     budget_s  = ttft_slo_s - (now - arrival_s)            what is left of the class's TTFT SLO
-    meets(w)  = predicted_ttft_s(w) x hi_w x k_w <= budget_s   predicted to meet its SLO there now, even if
+    behind(w) = behind_ttft_s(w): its predicted TTFT there after the work dispatched and the held requests
+                that go before it (its class's older ones and the higher-priority classes', their work
+                spread evenly over the workers)
+    meets(w)  = behind(w) x hi_w x k_w <= budget_s        predicted to meet its SLO there now, even if
                 and predicted_tpot_s(w) <= tpot_slo_s     the prediction falls short as much as it usually does
-                and (sheddable only) predicted_ttft_s(w) <= idle_headroom x tightest non-sheddable TTFT SLO
+                and (sheddable only) behind(w) <= idle_headroom x tightest non-sheddable TTFT SLO
+
+A newcomer does not take a held request's turn: it is admitted only if it meets its SLO behind the held
+requests that go before it. (The earlier rule, "admitted when it meets on the dispatched work alone", let
+fresh requests with their whole budget pass held ones again and again under sustained overload; the held
+ones were then refused after holding, 0.1-0.5 s late: docs/benchmarks/engine_process.md.)
     polite(w) = own_prefill_s(w) <= pending_slack_s(w)    a preference, never a reason to wait:
                 and slow start (below)                    admitting it here endangers nobody already sent
 
@@ -17,14 +25,13 @@ The predictor's current error margin on w is the band [lo_w, hi_w] of observed /
 ~p10 and ~p90 over its recent first tokens, worker_state.py): a request is admitted where even the
 prediction times hi_w x k_w fits its budget, and refused at once (429, Retry-After = the predicted excess)
 only when on every worker even the prediction times lo_w misses it — the best candidate's prediction
-exceeds the budget by more than the predictor's error margin — counting, for a request that would be
-held, the held requests that go before it (its class's older ones and the higher-priority classes', their
-work spread evenly over the workers: `behind_ttft_s`), since it is dispatched only after them:
+exceeds the budget by more than the predictor's error margin — counting the held requests that go
+before it, since it is dispatched only after them:
 
-    refuse    when for every w: behind_ttft_s(w) x lo_w > budget_s
-              or, with wait_s = hold deadline - now, even that work drained at the band's fastest rate
-              (1 / lo_w predicted seconds per second) until the hold deadline leaves
-              max(0, behind_ttft_s(w) - wait_s / lo_w) x hi_w > budget_s - wait_s   (or > the idle budget)
+    refuse    when for every w: behind(w) x lo_w > budget_s
+              or, with wait_s = hold deadline - now, even that work drained at the `hold_drain` rate
+              (`fast`: 1 / lo_w predicted seconds per second) until the hold deadline leaves
+              max(0, behind(w) - wait_s x drain_w) x hi_w > budget_s - wait_s   (or > the idle budget)
               i.e. the admission test (k_w = 1) would still fail at the hold deadline: holding only delays the 429
 
 Without the held work ahead (the earlier rule) a request arriving behind a long queue saw only the
