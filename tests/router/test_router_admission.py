@@ -183,6 +183,23 @@ def test_hold_drain_decides_whether_holding_can_still_get_it_admitted_before_its
         AdmissionConfig(hold_drain="sometimes")
 
 
+def test_hold_sheddable_refuses_at_once_what_would_be_held_except_sheddable_classes():
+    """`tokenmill serve`'s default: a non-sheddable request that does not meet its SLO now is refused at
+    arrival instead of held (a hold that ends in a refusal only made the 429 late); what meets is admitted
+    as before, and batch still waits for idle capacity."""
+    band = dict(ttft_error_lo=0.7, ttft_error_hi=1.3)
+    serve = AdmissionConfig(hold="sheddable")
+    w = busy("a", 600, ttft_slo_margin=1.5, **band)  # 0.7 s x 1.3 x 1.5 > 1 s: only the margin k keeps it out
+    assert decide([w], prompt_tokens=100, cfg=AdmissionConfig()).action == "hold"
+    a = decide([w], prompt_tokens=100, cfg=serve)
+    assert (a.action, a.reason) == ("reject", "slo")
+    assert decide([w], prompt_tokens=100, held=True, cfg=serve).reason == "deadline"
+    assert decide([busy("a", 500, **band)], prompt_tokens=100, cfg=serve).action == "admit"  # meets: as before
+    assert decide([busy("a", 900, **band)], cls=BATCH, prompt_tokens=100, cfg=serve).action == "hold"
+    with pytest.raises(ValueError, match="hold"):
+        AdmissionConfig(hold="never")
+
+
 def test_full_queue_refuses_and_a_held_request_expires_at_its_deadline():
     blocked = busy("a", 1050, ttft_error_lo=0.5)  # 1.15 s predicted for a 1 s budget: within the error band
     assert decide([blocked], room=0, prompt_tokens=100).reason == "queue-full"

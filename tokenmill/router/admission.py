@@ -43,7 +43,8 @@ outcomes, per first token, to ~3% of the requests admitted there missing their T
 (worker_state.MissRateMargin), and sits at 1 while none miss.
 
 Otherwise (its TTFT is within the predictor's error of the budget, or only the TPOT or idle-headroom test
-fails) it is held in its class queue (if there is room) and re-decided as work completes, until its hold
+fails) it is held — with `hold="sheddable"` (`tokenmill serve`'s default) only a sheddable class; any other
+is refused at once — in its class queue (if there is room) and re-decided as work completes, until its hold
 deadline arrival + min(max_wait_s, ttft_slo_s - ttft_base_s) — never past what is left of its TTFT budget
 — then refused.
 
@@ -77,6 +78,7 @@ from tokenmill.router.snapshot import (RouteSnapshot, WorkerView, behind_ttft_s,
 
 MODES = ("leading", "lagging", "off")
 HOLD_DRAINS = ("fast", "expected", "slow")
+HOLDS = ("all", "sheddable")
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,10 @@ class AdmissionConfig:
     # still get it admitted before its hold deadline: "fast" 1 / lo_w predicted s per s (the band's fast end),
     # "expected" 1 (the calibrated prediction), "slow" 1 / hi_w
     hold_drain: str = "slow"
+    # which classes leading admission may hold: "all", or only the "sheddable" ones (the others are refused at
+    # once where they would be held: `tokenmill serve`'s default, where the engine's deadline-ordered queue
+    # already is the hold and a hold that ends in a refusal only makes the 429 late)
+    hold: str = "all"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -99,6 +105,8 @@ class AdmissionConfig:
             raise ValueError(f"admission idle_headroom must be in (0, 1], got {self.idle_headroom}")
         if self.warmup_samples < 0:
             raise ValueError(f"admission warmup_samples must be >= 0, got {self.warmup_samples}")
+        if self.hold not in HOLDS:
+            raise ValueError(f"unknown admission hold {self.hold!r}; choose from {', '.join(HOLDS)}")
         if self.hold_drain not in HOLD_DRAINS:
             raise ValueError(f"unknown admission hold_drain {self.hold_drain!r}; choose from {', '.join(HOLD_DRAINS)}")
         if self.lagging_ttft_factor <= 0 or self.lagging_max_waiting < 0:
@@ -187,7 +195,7 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
         left_s = max(0.0, behind - wait_s * drain)
         return left_s * w.ttft_error_hi > min(budget - wait_s, idle_budget)  # k_w never causes a refusal
 
-    if all(hopeless(w) for w in workers.values()):
+    if all(hopeless(w) for w in workers.values()) or (cfg.hold == "sheddable" and not cls.sheddable):
         return Admission("reject", reason="deadline" if held else "slo", retry_after_s=gap_s)
     return _hold(snap, cls, workers, gap_s, queue_room, held, "slo")
 

@@ -49,7 +49,8 @@ CLASS_FIELD = "workload_class"  # the request-body field naming the class (the h
 class ServerAdmissionConfig:
     classes: tuple[WorkloadClass, ...] = DEFAULT_CLASSES
     default_class: str = "interactive"
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # only sheddable classes are held: the engine's deadline-ordered queue is the others' hold (router.admission)
+    admission: AdmissionConfig = field(default_factory=lambda: AdmissionConfig(hold="sheddable"))
     rate_priors: RatePriors = field(default_factory=RatePriors)
     max_in_flight: int = 4096  # held + admitted, then 503
     cheap_prefill_tokens: int = 256  # a request with at most this many uncached prompt tokens is "cheap" (0: none)
