@@ -144,15 +144,21 @@ def test_serve_cli_slo_flags():
     from tokenmill.cli import CLIError
     from tokenmill.server.cli import admission_config_from_args
 
-    def cfg(*slo, mode="leading", default="interactive", drain="slow"):
+    def cfg(*slo, mode="leading", default="interactive", drain="slow", hold="sheddable"):
         return admission_config_from_args(argparse.Namespace(slo=list(slo), admission=mode, default_class=default,
-                                                             admission_hold_drain=drain))
+                                                             admission_hold_drain=drain, admission_hold=hold))
 
     c = cfg("agent:ttft=2000,tpot=250", mode="off", default="agent")
     agent = {x.name: x for x in c.classes}["agent"]
     assert (agent.ttft_slo_s, agent.tpot_slo_s, c.admission.mode, c.default_class) == (2.0, 0.25, "off", "agent")
     assert all(x.tpot_slo_s == 0.05 for x in cfg("*:tpot=50").classes)
     assert (cfg().admission.hold_drain, cfg(drain="fast").admission.hold_drain) == ("slow", "fast")
+    assert (cfg().admission.hold, cfg(hold="all").admission.hold) == ("sheddable", "all")
+    from tokenmill.server.cli import add_parser  # the flag's default is the one ServerAdmissionConfig has
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    assert sub.choices["serve"].get_default("admission_hold") == ServerAdmissionConfig().admission.hold == "sheddable"
     for bad, match in ((["nope:ttft=1"], "unknown workload class"), (["agent:e2e=5"], "e2e"),
                        (["agent:ttft=none"], "finite"), (["agent:speed=3"], "KEY=MS")):
         with pytest.raises(CLIError, match=match):
