@@ -17,8 +17,10 @@ the router's series named `tokenmill_admission_*`.
 
 The leading indicator is the router's: the predicted TTFT of the new request = calibration x (overhead x
 (pending prefills + 1) + (uncached prompt tokens pending + its own uncached tokens) / learned prefill
-rate), and the predicted TPOT = base + per-stream x (decode streams + 1); refused (429 + Retry-After from
-the predicted excess) when even the optimistic end of the prediction misses the class's TTFT budget.
+rate), and the predicted TPOT = base + per-stream x (decode streams + 1). What meets its SLO is admitted;
+what does not is refused at once (429 + Retry-After from the predicted excess) unless its class is
+sheddable (`AdmissionConfig.hold="sheddable"`, the default here): the engine's deadline-ordered queue is the
+hold, and holding in the admission queue under sustained overload mostly ended in a refusal 0.1-0.5 s late.
 
 The clock is `time.perf_counter` (the engine core passes it to `step(now=...)`), so the TTFT deadline
 each admitted request carries into the engine's EDF ordering is on the same clock.
