@@ -118,11 +118,12 @@ def test_a_request_that_would_wait_behind_held_requests_counts_their_work_and_is
     band = dict(ttft_error_lo=0.7, ttft_error_hi=1.3)
     alone = decide([busy("a", 500, **band)], prompt_tokens=100)  # 0.6 s: admitted
     assert alone.action == "admit"  # nothing held: the queue cannot matter
+    assert decide([busy("a", 500, **band)], prompt_tokens=100, ahead=(3, 300)).action == "admit"  # meets now
     a = decide([busy("a", 850, **band)], prompt_tokens=100)  # 0.95 s: held (may meet before its deadline)
     assert (a.action, a.reason) == ("hold", "slo")
     a = decide([busy("a", 850, **band)], prompt_tokens=100, ahead=(2, 600))  # + 0.6 s held in front of it
     assert (a.action, a.reason) == ("reject", "slo")
-    assert a.retry_after_s == pytest.approx(0.55)  # the excess over the budget, the held work in front included
+    assert a.retry_after_s == pytest.approx(0.0, abs=1e-9)  # the excess over the budget of the worker alone
     a = decide([busy("a", 850, **band)], prompt_tokens=100, ahead=(1, 50))  # a little in front: still held
     assert a.action == "hold"
     # two workers: the held ones ahead spread over both (the optimistic split), so less in front on each
@@ -130,24 +131,6 @@ def test_a_request_that_would_wait_behind_held_requests_counts_their_work_and_is
     pair = [busy("a", 850, **band), busy("b", 850, **band)]
     assert decide(pair, prompt_tokens=100, ahead=(2, 200)).action == "hold"  # 1.05 s on either
     assert decide(pair, prompt_tokens=100, ahead=(2, 1200)).action == "reject"
-
-
-def test_a_newcomer_does_not_take_the_turn_of_held_requests_that_go_before_it():
-    """A held request was promised its turn: a newcomer that meets its SLO on the dispatched work alone but
-    not behind the held requests ahead of it is not admitted in front of them (the old rule admitted it, and
-    under overload the held ones, passed again and again, were refused at their hold deadline: late 429s).
-    It is admitted when it meets behind them too; the retry hint counts the held work."""
-    band = dict(ttft_error_lo=0.7, ttft_error_hi=1.3)
-    w = busy("a", 500, **band)  # 0.6 s alone: 0.78 s at the band's upper end, within the 1 s budget
-    assert decide([w], prompt_tokens=100).action == "admit"
-    a = decide([w], prompt_tokens=100, ahead=(3, 300))  # behind them 0.9 s, 1.17 s at the upper end
-    assert (a.action, a.reason) == ("hold", "slo")  # old rule: "admit"
-    assert a.retry_after_s == pytest.approx(0.0, abs=1e-9)  # 0.9 s predicted: within the budget, only the band misses
-    fits = decide([w], prompt_tokens=100, ahead=(1, 100))  # behind it 0.7 s, 0.91 s at the upper end
-    assert (fits.action, fits.predicted_ttft_s) == ("admit", pytest.approx(0.7))
-    # two workers: the held work ahead is spread over both; on either the newcomer fits behind its half
-    pair = [busy("a", 500, **band), busy("b", 500, **band)]
-    assert decide(pair, prompt_tokens=100, ahead=(3, 300)).action == "admit"  # 0.75 s x 1.3 = 0.975 s
 
 
 def test_work_that_passes_a_waiting_request_stretches_its_wait_not_its_own_prefill():
@@ -247,12 +230,9 @@ def test_config_validation_names_the_field():
         AdmissionConfig(idle_headroom=0)
 
 
-def test_router_keeps_a_held_requests_turn_and_admits_the_newcomer_once_it_is_gone():
-    """A later request that would meet its SLO on the dispatched work alone (a shorter prompt here) is not
-    admitted in front of a held one of its class: behind it, it would not meet (held too, in order). The
-    old rule admitted it at once, and under sustained overload held requests were passed until their hold
-    deadline and refused late. Re-deciding the queue, each held request sees the ones still held before
-    it (the pump used to take them out of the queue while deciding, so the second saw nothing ahead)."""
+def test_router_admits_a_request_that_meets_its_slo_even_while_others_of_its_class_are_held():
+    """Held requests wait because no worker is predicted to serve them in time; a later request that a
+    worker can serve in time (a shorter prompt here) is not queued behind them (it was, FIFO)."""
     import asyncio
 
     async def run():
@@ -262,16 +242,41 @@ def test_router_keeps_a_held_requests_turn_and_admits_the_newcomer_once_it_is_go
         big_task = asyncio.ensure_future(router.acquire(big))
         await asyncio.sleep(0)
         assert router.queues.depths()["interactive"] == 1
-        small_task = asyncio.ensure_future(router.acquire(router.new_request(key(50), INTERACTIVE, 4)))
-        await asyncio.sleep(0)  # 0.95 s alone, 1.15 s behind the held one: held behind it (old rule: admitted)
-        assert router.queues.depths()["interactive"] == 2 and not small_task.done()
-        router.pump()  # re-deciding both: the second still sees the first ahead of it
-        assert router.queues.depths()["interactive"] == 2 and not small_task.done()
+        small = await asyncio.wait_for(router.acquire(router.new_request(key(50), INTERACTIVE, 4)), 1.0)
+        assert small.worker == "http://a"  # 0.95 s predicted: admitted at once
+        assert router.queues.depths()["interactive"] == 1 and not big_task.done()
         big_task.cancel()
+        await router.close()
+
+    asyncio.run(run())
+
+
+def test_re_deciding_held_requests_each_one_sees_the_ones_still_held_before_it():
+    """Two held requests of 0.2 s behind 0.9 s of dispatched work (interactive: 1 s SLO, hold deadline 0.5 s
+    after arrival; drain at 2 predicted s per s). 0.15 s later the second is hopeless behind the first
+    (0.3 s + 2 x 0.15 s left > the 0.5 s its budget then allows) though not alone (0.1 s + 0.3 s): the
+    re-decision refuses it now. The pump used to take each held request out of the queue while deciding it,
+    so the second saw nothing ahead, stayed held, and was refused later."""
+    import asyncio
+
+    from tokenmill.router.router import Refused
+
+    async def run():
+        t = [100.0]
+        router, key = one_busy_worker_router(t)
+        first, second = (asyncio.ensure_future(router.acquire(router.new_request(key(200), INTERACTIVE, 4)))
+                         for _ in range(2))
         await asyncio.sleep(0)
+        assert router.queues.depths()["interactive"] == 2
+        t[0] = 100.15
         router.pump()
-        small = await asyncio.wait_for(small_task, 1.0)
-        assert small.worker == "http://a" and small.predicted_ttft_s == pytest.approx(0.95)
+        await asyncio.sleep(0)
+        assert second.done() and not first.done()
+        with pytest.raises(Refused) as e:
+            second.result()
+        assert e.value.reason == "deadline"
+        assert router.queues.depths()["interactive"] == 1
+        first.cancel()
         await router.close()
 
     asyncio.run(run())

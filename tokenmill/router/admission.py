@@ -3,17 +3,9 @@
 `leading` (default) predicts from work the router has sent but not yet seen served:
 
     budget_s  = ttft_slo_s - (now - arrival_s)            what is left of the class's TTFT SLO
-    behind(w) = behind_ttft_s(w): its predicted TTFT there after the work dispatched and the held requests
-                that go before it (its class's older ones and the higher-priority classes', their work
-                spread evenly over the workers)
-    meets(w)  = behind(w) x hi_w x k_w <= budget_s        predicted to meet its SLO there now, even if
+    meets(w)  = predicted_ttft_s(w) x hi_w x k_w <= budget_s   predicted to meet its SLO there now, even if
                 and predicted_tpot_s(w) <= tpot_slo_s     the prediction falls short as much as it usually does
-                and (sheddable only) behind(w) <= idle_headroom x tightest non-sheddable TTFT SLO
-
-A newcomer does not take a held request's turn: it is admitted only if it meets its SLO behind the held
-requests that go before it. (The earlier rule, "admitted when it meets on the dispatched work alone", let
-fresh requests with their whole budget pass held ones again and again under sustained overload; the held
-ones were then refused after holding, 0.1-0.5 s late: docs/benchmarks/engine_process.md.)
+                and (sheddable only) predicted_ttft_s(w) <= idle_headroom x tightest non-sheddable TTFT SLO
     polite(w) = own_prefill_s(w) <= pending_slack_s(w)    a preference, never a reason to wait:
                 and slow start (below)                    admitting it here endangers nobody already sent
 
@@ -25,13 +17,14 @@ The predictor's current error margin on w is the band [lo_w, hi_w] of observed /
 ~p10 and ~p90 over its recent first tokens, worker_state.py): a request is admitted where even the
 prediction times hi_w x k_w fits its budget, and refused at once (429, Retry-After = the predicted excess)
 only when on every worker even the prediction times lo_w misses it — the best candidate's prediction
-exceeds the budget by more than the predictor's error margin — counting the held requests that go
-before it, since it is dispatched only after them:
+exceeds the budget by more than the predictor's error margin — counting, for a request that would be
+held, the held requests that go before it (its class's older ones and the higher-priority classes', their
+work spread evenly over the workers: `behind_ttft_s`), since it is dispatched only after them:
 
-    refuse    when for every w: behind(w) x lo_w > budget_s
+    refuse    when for every w: behind_ttft_s(w) x lo_w > budget_s
               or, with wait_s = hold deadline - now, even that work drained at the `hold_drain` rate
               (`fast`: 1 / lo_w predicted seconds per second) until the hold deadline leaves
-              max(0, behind(w) - wait_s x drain_w) x hi_w > budget_s - wait_s   (or > the idle budget)
+              max(0, behind_ttft_s(w) - wait_s x drain_w) x hi_w > budget_s - wait_s   (or > the idle budget)
               i.e. the admission test (k_w = 1) would still fail at the hold deadline: holding only delays the 429
 
 Without the held work ahead (the earlier rule) a request arriving behind a long queue saw only the
@@ -41,6 +34,11 @@ after ~1.9 s (docs/benchmarks/engine_process.md).
 k_w >= 1 widens the band's upper end where admitted requests still miss their deadline: it is steered from
 outcomes, per first token, to ~3% of the requests admitted there missing their TTFT deadline
 (worker_state.MissRateMargin), and sits at 1 while none miss.
+
+A newcomer that meets its SLO on the dispatched work is admitted even while requests that go before it are
+held (they are not predicted to meet theirs now, it is). Making it meet behind them too (a held request's
+"turn" kept) was tried: on the simulator, 2 workers at 2x and 4x the sustainable rate, it cost up to 5% of
+goodput and did not remove the late refusals (docs/benchmarks/engine_process.md).
 
 Otherwise (its TTFT is within the predictor's error of the budget, or only the TPOT or idle-headroom test
 fails) it is held — with `hold="sheddable"` (`tokenmill serve`'s default) only a sheddable class; any other
@@ -152,9 +150,7 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
         return _lagging(snap, chosen, workers, cls, cfg, queue_room, held)
 
     budget, idle_budget = ttft_budget_s(snap, cls), idle_budget_s(cls, classes, cfg)
-    share = 1.0 / len(workers)  # the held requests ahead spread evenly over the workers (the optimistic split)
-    # its TTFT behind the held requests that go before it: a newcomer does not take a held request's turn
-    pred = {u: behind_ttft_s(w, r, share) for u, w in workers.items()}
+    pred = {u: predicted_ttft_s(w, r) for u, w in workers.items()}
 
     def meets(w: WorkerView) -> bool:
         """Predicted to meet its SLO there now (TTFT within what is left of the budget, TPOT)."""
@@ -183,12 +179,13 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
 
     gap_s = max(0.0, min(pred.values()) - min(budget, idle_budget))
     wait_s = max(0.0, cls.hold_deadline_s(r.arrival_s, min(w.ttft_base_s for w in workers.values())) - r.now)
+    share = 1.0 / len(workers)  # the held requests ahead spread evenly over the workers (the optimistic split)
 
     def hopeless(w: WorkerView) -> bool:
         """Held, it would be refused anyway: even the optimistic end of its TTFT behind the held requests
         ahead misses the budget now, or their work drained by its hold deadline at the band's fastest rate
         (1 / lo predicted seconds per second) still leaves more than the admission test then allows."""
-        behind = pred[w.url]
+        behind = behind_ttft_s(w, r, share)
         if behind * w.ttft_error_lo > budget:
             return True
         drain = {"fast": 1.0 / w.ttft_error_lo, "expected": 1.0, "slow": 1.0 / w.ttft_error_hi}[cfg.hold_drain]
