@@ -251,37 +251,6 @@ def test_router_admits_a_request_that_meets_its_slo_even_while_others_of_its_cla
     asyncio.run(run())
 
 
-def test_re_deciding_held_requests_each_one_sees_the_ones_still_held_before_it():
-    """Two held requests of 0.2 s behind 0.9 s of dispatched work (interactive: 1 s SLO, hold deadline 0.5 s
-    after arrival; drain at 2 predicted s per s). 0.15 s later the second is hopeless behind the first
-    (0.3 s + 2 x 0.15 s left > the 0.5 s its budget then allows) though not alone (0.1 s + 0.3 s): the
-    re-decision refuses it now. The pump used to take each held request out of the queue while deciding it,
-    so the second saw nothing ahead, stayed held, and was refused later."""
-    import asyncio
-
-    from tokenmill.router.router import Refused
-
-    async def run():
-        t = [100.0]
-        router, key = one_busy_worker_router(t)
-        first, second = (asyncio.ensure_future(router.acquire(router.new_request(key(200), INTERACTIVE, 4)))
-                         for _ in range(2))
-        await asyncio.sleep(0)
-        assert router.queues.depths()["interactive"] == 2
-        t[0] = 100.15
-        router.pump()
-        await asyncio.sleep(0)
-        assert second.done() and not first.done()
-        with pytest.raises(Refused) as e:
-            second.result()
-        assert e.value.reason == "deadline"
-        assert router.queues.depths()["interactive"] == 1
-        first.cancel()
-        await router.close()
-
-    asyncio.run(run())
-
-
 def test_router_refuses_at_once_a_request_queued_behind_held_ones_it_cannot_outlast():
     """Router-level: the held requests of its class ahead of a new one are in its snapshot. Three held
     requests of 0.2 s each sit in front of a fourth: behind them it needs 1.7 s (predicted) for a 1 s SLO,

@@ -219,25 +219,21 @@ class Router:
         self.queues.drop_done()
         for cls in self.queues.classes:
             q = self.queues[cls.name]
-            still = 0
-            for head in list(q):  # decided in place: each one's snapshot sees the ones still held before it
-                if still >= self.PUMP_SCAN:
-                    break
+            still = []
+            while q and len(still) < self.PUMP_SCAN:
+                head = q.popleft()
                 if head.future.done():
                     continue
                 adm, snap, chunks = self.decide(head.ctx, held=True)
                 if adm.action == "admit" and cls.sheddable and self.queues.any_waiting(sheddable=False):
                     adm = Admission("hold")
                 if adm.action == "hold":
-                    still += 1
-                    continue
-                q = self.queues[cls.name]  # (drop_done may have replaced it meanwhile)
-                if head in q:
-                    q.remove(head)
-                if adm.action == "admit":
+                    still.append(head)
+                elif adm.action == "admit":
                     head.future.set_result(self._dispatch(head.ctx, adm, snap, chunks))
                 else:
                     head.future.set_exception(self._refuse(head.ctx, adm.reason, adm.retry_after_s))
+            q.extendleft(reversed(still))
 
     def _dispatch(self, ctx: RequestCtx, adm: Admission, snap: RouteSnapshot, chunks: dict[str, int]) -> InFlight:
         w = self.pool.get(adm.worker)
