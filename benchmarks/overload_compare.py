@@ -30,6 +30,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-min", type=float, default=0.25)
     ap.add_argument("--model", default="demo")
     ap.add_argument("--out", default="/tmp/tokenmill-overload")
+    ap.add_argument("--bench-flag", action="append", default=[],
+                    help="extra `tokenmill bench` argument for every run (repeatable), e.g. --bench-flag=--arrival=gamma "
+                         "--bench-flag=--burstiness=0.2 (bursts)")
     args = ap.parse_args(argv)
     variants = []
     for v in args.variant:
@@ -47,7 +50,7 @@ def main(argv=None) -> int:
             out = Path(args.out) / f"{name}-{rep}"
             cmd = [sys.executable, str(HERE / "soak.py"), "--model", args.model, "--minutes", f"{args.minutes:g}",
                    "--sessions", f"{args.sessions:g}", "--warmup-min", f"{args.warmup_min:g}", "--out", str(out),
-                   "--server-tree", tree]
+                   "--server-tree", tree, *(f"--bench-flag={b}" for b in args.bench_flag)]
             print(f"# repeat {rep + 1} {name}: " + " ".join(cmd), flush=True)
             subprocess.run(cmd, stdout=subprocess.DEVNULL)
             summary = json.loads((out / "summary.json").read_text())
@@ -58,7 +61,7 @@ def main(argv=None) -> int:
         return "-" if x is None else format(x, spec)
 
     print(f"\n{args.sessions:g} sessions/s ({args.sessions * 4:g} req/s), {args.minutes:g} min of arrivals per run, "
-          f"{args.repeats} repeat(s), model {args.model}\n")
+          f"{args.repeats} repeat(s), model {args.model}, bench flags {args.bench_flag or 'defaults'}\n")
     print("| variant | run | sent | ok | refused | failed | 429 p50 ms | 429 p99 ms | accepted in SLO | goodput req/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, _ in variants:

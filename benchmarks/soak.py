@@ -82,6 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--warmup-min", type=float, default=1.0, help="minutes left out of the RSS trend")
     ap.add_argument("--serve-flag", action="append", default=[], help="extra `tokenmill serve` argument (repeatable)")
+    ap.add_argument("--bench-flag", action="append", default=[],
+                    help="extra `tokenmill bench` argument (repeatable), e.g. --bench-flag=--arrival=gamma")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="/tmp/tokenmill-soak")
     ap.add_argument("--server-tree", default=None,
@@ -143,7 +145,7 @@ def _soak(args, out: Path, server: subprocess.Popen) -> int:
     bench = [PY, "-m", "tokenmill", "bench", "--target", url, "--workload", args.workload, "--rate", f"{rate:g}",
              "--duration", f"{args.minutes * 60:g}", "--slo", args.slo, "--seed", str(args.seed),
              "--out", str(out / "bench"), "--no-plots", "--no-progress", "--request-timeout", "300",
-             "--tokenizer", str(resolve_model_path(args.model))]  # token-id prompts: exact lengths
+             "--tokenizer", str(resolve_model_path(args.model)), *args.bench_flag]  # token-id prompts: exact lengths
     print("# " + " ".join(bench), flush=True)
     t_bench = time.monotonic() - t_start
     rc = subprocess.run(bench, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -166,7 +168,8 @@ def _soak(args, out: Path, server: subprocess.Popen) -> int:
 
     records = [json.loads(x) for x in (out / "bench" / "requests.jsonl").read_text().splitlines() if x.strip()]
     print(f"\nmodel {args.model}; workload {args.workload}; {args.sessions:g} sessions/s = {rate:g} req/s for "
-          f"{args.minutes:g} min; SLO {args.slo}; serve flags {args.serve_flag or 'defaults'}")
+          f"{args.minutes:g} min; SLO {args.slo}; serve flags {args.serve_flag or 'defaults'}; "
+          f"bench flags {args.bench_flag or 'defaults'}")
     print("\n| minute | sent | ok | refused | failed | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms "
           "| front-end RSS MiB | core RSS MiB | prefix-cached blocks | evictions |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -133,6 +133,19 @@ def test_a_request_that_would_wait_behind_held_requests_counts_their_work_and_is
     assert decide(pair, prompt_tokens=100, ahead=(2, 1200)).action == "reject"
 
 
+def test_work_that_passes_a_waiting_request_stretches_its_wait_not_its_own_prefill():
+    """`tokenmill serve` ranks cheap prompts first: the ones arriving while a long prompt waits take a share
+    p of the engine's time, so its wait for the work in front is 1 / (1 - p) times longer; its own prefill,
+    once started, is not interrupted. p = 0 (the router) leaves the prediction as it was."""
+    w = busy("a", 500)
+    r = RouteRequest("r", 0.0, 0.0, 100)
+    assert predicted_ttft_s(w, r) == pytest.approx(0.6)
+    passed = WorkerView("a", prefill_tokens=500, ttft_base_s=0.0, prefill_rate_tps=1000.0, passing_share=0.5)
+    assert predicted_ttft_s(passed, r) == pytest.approx(0.5 / 0.5 + 0.1)
+    assert decide([busy("a", 500, passing_share=0.5)], prompt_tokens=100).action != "admit"  # 1.1 s > 1 s
+    assert decide([busy("a", 200, passing_share=0.5)], prompt_tokens=100).action == "admit"  # 0.5 s
+
+
 def test_hold_drain_decides_whether_holding_can_still_get_it_admitted_before_its_hold_deadline():
     """Held, a request is admitted once the admission test passes (upper end x margin within what is left of
     the budget); the budget shrinks by 1 s per s while the work in front drains. If that work drains at the
@@ -151,6 +164,23 @@ def test_hold_drain_decides_whether_holding_can_still_get_it_admitted_before_its
     assert held.action == "hold"
     with pytest.raises(ValueError, match="hold_drain"):
         AdmissionConfig(hold_drain="sometimes")
+
+
+def test_hold_sheddable_refuses_at_once_what_would_be_held_except_sheddable_classes():
+    """`tokenmill serve`'s default: a non-sheddable request that does not meet its SLO now is refused at
+    arrival instead of held (a hold that ends in a refusal only made the 429 late); what meets is admitted
+    as before, and batch still waits for idle capacity."""
+    band = dict(ttft_error_lo=0.7, ttft_error_hi=1.3)
+    serve = AdmissionConfig(hold="sheddable")
+    w = busy("a", 600, ttft_slo_margin=1.5, **band)  # 0.7 s x 1.3 x 1.5 > 1 s: only the margin k keeps it out
+    assert decide([w], prompt_tokens=100, cfg=AdmissionConfig()).action == "hold"
+    a = decide([w], prompt_tokens=100, cfg=serve)
+    assert (a.action, a.reason) == ("reject", "slo")
+    assert decide([w], prompt_tokens=100, held=True, cfg=serve).reason == "deadline"
+    assert decide([busy("a", 500, **band)], prompt_tokens=100, cfg=serve).action == "admit"  # meets: as before
+    assert decide([busy("a", 900, **band)], cls=BATCH, prompt_tokens=100, cfg=serve).action == "hold"
+    with pytest.raises(ValueError, match="hold"):
+        AdmissionConfig(hold="never")
 
 
 def test_full_queue_refuses_and_a_held_request_expires_at_its_deadline():

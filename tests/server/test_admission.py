@@ -144,15 +144,21 @@ def test_serve_cli_slo_flags():
     from tokenmill.cli import CLIError
     from tokenmill.server.cli import admission_config_from_args
 
-    def cfg(*slo, mode="leading", default="interactive", drain="slow"):
+    def cfg(*slo, mode="leading", default="interactive", drain="slow", hold="sheddable"):
         return admission_config_from_args(argparse.Namespace(slo=list(slo), admission=mode, default_class=default,
-                                                             admission_hold_drain=drain))
+                                                             admission_hold_drain=drain, admission_hold=hold))
 
     c = cfg("agent:ttft=2000,tpot=250", mode="off", default="agent")
     agent = {x.name: x for x in c.classes}["agent"]
     assert (agent.ttft_slo_s, agent.tpot_slo_s, c.admission.mode, c.default_class) == (2.0, 0.25, "off", "agent")
     assert all(x.tpot_slo_s == 0.05 for x in cfg("*:tpot=50").classes)
     assert (cfg().admission.hold_drain, cfg(drain="fast").admission.hold_drain) == ("slow", "fast")
+    assert (cfg().admission.hold, cfg(hold="all").admission.hold) == ("sheddable", "all")
+    from tokenmill.server.cli import add_parser  # the flag's default is the one ServerAdmissionConfig has
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    assert sub.choices["serve"].get_default("admission_hold") == ServerAdmissionConfig().admission.hold == "sheddable"
     for bad, match in ((["nope:ttft=1"], "unknown workload class"), (["agent:e2e=5"], "e2e"),
                        (["agent:ttft=none"], "finite"), (["agent:speed=3"], "KEY=MS")):
         with pytest.raises(CLIError, match=match):
@@ -239,3 +245,82 @@ def test_cheap_continuations_are_served_ahead_of_expensive_first_turns(make_serv
     # cheap-first does not cost the expensive ones their SLO once admitted
     admitted = [t for st, t, _, _ in exp_on if st == 200]
     assert admitted and sum(t <= 0.6 for t in admitted) / len(admitted) >= 0.85, sorted(admitted)
+
+
+class _OrderEngine:
+    """Just what admission asks the engine: its prefix hits (given per prompt length) and its step budget."""
+
+    class config:
+        max_num_batched_tokens = 100
+
+    def __init__(self, hits):
+        self.hits = hits
+
+    def cached_prefix_tokens(self, token_ids, block_hashes):
+        return self.hits.get(len(token_ids), 0)
+
+
+def _ctx(adm, n, arrival, cls_name="agent"):
+    from tokenmill.router.prompt import PromptKey
+    from tokenmill.server.admission import ServerCtx
+
+    adm._seq += 1
+    return ServerCtx(f"x{adm._seq}", adm.classes[cls_name], PromptKey((), True, n, 1), n, arrival, adm._seq, 8,
+                     token_ids=list(range(n)))
+
+
+def _order_admission(t, hits):
+    from tokenmill.router.rates import RatePriors
+    from tokenmill.server.admission import ServerAdmission
+
+    cfg = ServerAdmissionConfig(admission=AdmissionConfig(mode="off"),
+                                rate_priors=RatePriors(ttft_base_s=0.0, prefill_rate_tps=1000.0))
+    return ServerAdmission(_OrderEngine(hits), cfg, clock=lambda: t[0])
+
+
+def test_the_snapshot_counts_only_the_work_the_engines_order_puts_in_front():
+    """The engine serves waiting prompts by (priority, rank, TTFT deadline). A request held since t = 0.5 s is
+    dispatched with an earlier deadline than one admitted at t = 1 s and goes before it: its snapshot counts
+    the work admitted at t = 0 in full, and of the later one only what the engine may already have started
+    (one step's budget, 100 tokens). The FIFO view counted both (1500 tokens), the held request looked
+    hopeless, and was refused late."""
+    t = [0.0]
+    adm = _order_admission(t, {})
+
+    async def run():
+        await adm.acquire("a", adm.classes["agent"], list(range(1000)), 8)  # deadline 0 + 4 s
+        t[0] = 1.0
+        await adm.acquire("b", adm.classes["agent"], list(range(500)), 8)  # deadline 5 s
+        held = _ctx(adm, 300, arrival=0.5)  # deadline 4.5 s: before b's
+        view = adm.router.snapshot(held)[0].workers[0]
+        assert (view.prefill_tokens, view.prefill_requests) == (1000 + 100, 1)
+        late = _ctx(adm, 300, arrival=1.0)  # after both
+        view = adm.router.snapshot(late)[0].workers[0]
+        assert (view.prefill_tokens, view.prefill_requests) == (1500, 2)
+        urgent = _ctx(adm, 300, arrival=1.0, cls_name="interactive")  # a higher priority: before both
+        assert adm.router.snapshot(urgent)[0].workers[0].prefill_tokens == 100
+        adm.release("a")  # its prefill leaves the books with the request
+        assert adm.router.snapshot(held)[0].workers[0].prefill_tokens == 100
+
+    asyncio.run(run())
+
+
+def test_cheap_prompts_admitted_lately_pass_a_waiting_expensive_one_in_its_prediction():
+    """Cheap prompts (<= 256 uncached tokens) are ranked first: while an expensive one waits, the ones arriving
+    take their share of the engine's time (their own prefill, predicted, over the last 5 s), which stretches
+    its wait. A cheap prompt is not passed by them (EDF among the cheap ones): its share is 0."""
+    t = [0.0]
+    adm = _order_admission(t, {1100: 1000})  # a 1100-token continuation: 100 uncached tokens, cheap
+
+    async def run():
+        for i in range(10):  # ten cheap ones in 1 s: 10 x 0.1 s of prefill
+            t[0] = 0.1 * i
+            await adm.acquire(f"c{i}", adm.classes["agent"], list(range(1100)), 8)
+            adm.progress([f"c{i}"], [])  # served: no longer pending
+        expensive = adm.router.snapshot(_ctx(adm, 800, arrival=t[0]))[0].workers[0]
+        assert expensive.passing_share == pytest.approx(1.0 / 5.0)
+        assert adm.router.snapshot(_ctx(adm, 1100, arrival=t[0]))[0].workers[0].passing_share == 0.0
+        t[0] = 6.0  # out of the window
+        assert adm.router.snapshot(_ctx(adm, 800, arrival=t[0]))[0].workers[0].passing_share == 0.0
+
+    asyncio.run(run())

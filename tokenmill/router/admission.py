@@ -22,9 +22,9 @@ held, the held requests that go before it (its class's older ones and the higher
 work spread evenly over the workers: `behind_ttft_s`), since it is dispatched only after them:
 
     refuse    when for every w: behind_ttft_s(w) x lo_w > budget_s
-              or, with wait_s = hold deadline - now, even that work drained at the band's fastest rate
-              (1 / lo_w predicted seconds per second) until the hold deadline leaves
-              max(0, behind_ttft_s(w) - wait_s / lo_w) x hi_w > budget_s - wait_s   (or > the idle budget)
+              or, with wait_s = hold deadline - now, even that work drained at the `hold_drain` rate
+              (`fast`: 1 / lo_w predicted seconds per second) until the hold deadline leaves
+              max(0, behind_ttft_s(w) - wait_s x drain_w) x hi_w > budget_s - wait_s   (or > the idle budget)
               i.e. the admission test (k_w = 1) would still fail at the hold deadline: holding only delays the 429
 
 Without the held work ahead (the earlier rule) a request arriving behind a long queue saw only the
@@ -35,8 +35,14 @@ k_w >= 1 widens the band's upper end where admitted requests still miss their de
 outcomes, per first token, to ~3% of the requests admitted there missing their TTFT deadline
 (worker_state.MissRateMargin), and sits at 1 while none miss.
 
+A newcomer that meets its SLO on the dispatched work is admitted even while requests that go before it are
+held (they are not predicted to meet theirs now, it is). Making it meet behind them too (a held request's
+"turn" kept) was tried: on the simulator, 2 workers at 2x and 4x the sustainable rate, it cost up to 5% of
+goodput and did not remove the late refusals (docs/benchmarks/engine_process.md).
+
 Otherwise (its TTFT is within the predictor's error of the budget, or only the TPOT or idle-headroom test
-fails) it is held in its class queue (if there is room) and re-decided as work completes, until its hold
+fails) it is held — with `hold="sheddable"` (`tokenmill serve`'s default) only a sheddable class; any other
+is refused at once — in its class queue (if there is room) and re-decided as work completes, until its hold
 deadline arrival + min(max_wait_s, ttft_slo_s - ttft_base_s) — never past what is left of its TTFT budget
 — then refused.
 
@@ -70,6 +76,7 @@ from tokenmill.router.snapshot import (RouteSnapshot, WorkerView, behind_ttft_s,
 
 MODES = ("leading", "lagging", "off")
 HOLD_DRAINS = ("fast", "expected", "slow")
+HOLDS = ("all", "sheddable")
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,10 @@ class AdmissionConfig:
     # still get it admitted before its hold deadline: "fast" 1 / lo_w predicted s per s (the band's fast end),
     # "expected" 1 (the calibrated prediction), "slow" 1 / hi_w
     hold_drain: str = "slow"
+    # which classes leading admission may hold: "all", or only the "sheddable" ones (the others are refused at
+    # once where they would be held: `tokenmill serve`'s default, where the engine's deadline-ordered queue
+    # already is the hold and a hold that ends in a refusal only makes the 429 late)
+    hold: str = "all"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -92,6 +103,8 @@ class AdmissionConfig:
             raise ValueError(f"admission idle_headroom must be in (0, 1], got {self.idle_headroom}")
         if self.warmup_samples < 0:
             raise ValueError(f"admission warmup_samples must be >= 0, got {self.warmup_samples}")
+        if self.hold not in HOLDS:
+            raise ValueError(f"unknown admission hold {self.hold!r}; choose from {', '.join(HOLDS)}")
         if self.hold_drain not in HOLD_DRAINS:
             raise ValueError(f"unknown admission hold_drain {self.hold_drain!r}; choose from {', '.join(HOLD_DRAINS)}")
         if self.lagging_ttft_factor <= 0 or self.lagging_max_waiting < 0:
@@ -179,7 +192,7 @@ def admit(snap: RouteSnapshot, choice: RouteChoice, cls: WorkloadClass, classes:
         left_s = max(0.0, behind - wait_s * drain)
         return left_s * w.ttft_error_hi > min(budget - wait_s, idle_budget)  # k_w never causes a refusal
 
-    if all(hopeless(w) for w in workers.values()):
+    if all(hopeless(w) for w in workers.values()) or (cfg.hold == "sheddable" and not cls.sheddable):
         return Admission("reject", reason="deadline" if held else "slo", retry_after_s=gap_s)
     return _hold(snap, cls, workers, gap_s, queue_room, held, "slo")
 

@@ -12,6 +12,11 @@ Everything here is frozen and clock-free: the router builds a `RouteSnapshot` fr
     behind TTFT    = the same with the held requests ahead of it (RouteRequest.ahead_*) added in front
                      (spread evenly over the workers): what it waits for if it is held
 
+    passing_w      = share of w's time taken, while this request waits, by work that arrives later and is
+                     served before it (`tokenmill serve`: cheap prompts, ranked first in the engine; 0 in the
+                     router); the wait for the work queued in front stretches by 1 / (1 - passing_w):
+    TTFT           = calibration_w * (prefill_time(queued in front) / (1 - passing_w) + prefill_time(own))
+
 ttft_base_s_w (per-request overhead) and prefill_rate_tps_w (per uncached token) are the worker's learned
 prefill fit (rates.PrefillFit): the requests whose prefill is pending there, and this one, each cost the
 overhead once plus their uncached tokens at the rate.
@@ -52,6 +57,7 @@ class WorkerView:
     ttft_error_hi: float = 1.5  # learned: ~p90 of observed / predicted TTFT here (how short predictions fall)
     ttft_error_lo: float = 0.5  # learned: ~p10 (how far predictions overshoot)
     ttft_slo_margin: float = 1.0  # learned: multiplier on ttft_error_hi steered to a target share of missed deadlines
+    passing_share: float = 0.0  # share of its time later arrivals served before this request take (< 1)
 
     @property
     def routable(self) -> bool:
@@ -96,14 +102,20 @@ def queued_prefill_tokens(w: WorkerView) -> int:
     return w.prefill_tokens + w.external_prefill_tokens
 
 
+def _ttft_s(w: WorkerView, r: RouteRequest, requests_ahead: float, tokens_ahead: float) -> float:
+    """Its wait for the work in front (stretched by what passes it meanwhile), then its own prefill."""
+    wait_s = prefill_time_s(w, requests_ahead, tokens_ahead) / (1.0 - w.passing_share)
+    return w.ttft_calibration * (wait_s + prefill_time_s(w, 1, uncached_tokens(w, r)))
+
+
 def predicted_ttft_s(w: WorkerView, r: RouteRequest) -> float:
-    return w.ttft_calibration * prefill_time_s(w, w.prefill_requests + 1, queued_prefill_tokens(w) + uncached_tokens(w, r))
+    return _ttft_s(w, r, w.prefill_requests, queued_prefill_tokens(w))
 
 
 def behind_ttft_s(w: WorkerView, r: RouteRequest, share: float = 1.0) -> float:
     """predicted_ttft_s if this request waits for the held ones ahead of it (`share` of them go to w)."""
-    return w.ttft_calibration * prefill_time_s(w, w.prefill_requests + 1 + share * r.ahead_requests,
-                                               queued_prefill_tokens(w) + uncached_tokens(w, r) + share * r.ahead_tokens)
+    return _ttft_s(w, r, w.prefill_requests + share * r.ahead_requests,
+                   queued_prefill_tokens(w) + share * r.ahead_tokens)
 
 
 def own_prefill_s(w: WorkerView, r: RouteRequest) -> float:

@@ -17,8 +17,10 @@ the router's series named `tokenmill_admission_*`.
 
 The leading indicator is the router's: the predicted TTFT of the new request = calibration x (overhead x
 (pending prefills + 1) + (uncached prompt tokens pending + its own uncached tokens) / learned prefill
-rate), and the predicted TPOT = base + per-stream x (decode streams + 1); refused (429 + Retry-After from
-the predicted excess) when even the optimistic end of the prediction misses the class's TTFT budget.
+rate), and the predicted TPOT = base + per-stream x (decode streams + 1). What meets its SLO is admitted;
+what does not is refused at once (429 + Retry-After from the predicted excess) unless its class is
+sheddable (`AdmissionConfig.hold="sheddable"`, the default here): the engine's deadline-ordered queue is the
+hold, and holding in the admission queue under sustained overload mostly ended in a refusal 0.1-0.5 s late.
 
 The clock is `time.perf_counter` (the engine core passes it to `step(now=...)`), so the TTFT deadline
 each admitted request carries into the engine's EDF ordering is on the same clock.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.errors import InvalidRequestError
@@ -37,6 +40,7 @@ from tokenmill.router.config import RouterConfig
 from tokenmill.router.prompt import PromptKey
 from tokenmill.router.rates import RatePriors
 from tokenmill.router.router import Refused, RequestCtx, Router
+from tokenmill.router.snapshot import prefill_time_s
 from tokenmill.router.worker_state import InFlight, WorkerSpec, WorkerState
 
 LOCAL_WORKER = "http://engine.local"  # the pseudo-worker's name in the admission metrics (worker label)
@@ -47,7 +51,8 @@ CLASS_FIELD = "workload_class"  # the request-body field naming the class (the h
 class ServerAdmissionConfig:
     classes: tuple[WorkloadClass, ...] = DEFAULT_CLASSES
     default_class: str = "interactive"
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    # only sheddable classes are held: the engine's deadline-ordered queue is the others' hold (router.admission)
+    admission: AdmissionConfig = field(default_factory=lambda: AdmissionConfig(hold="sheddable"))
     rate_priors: RatePriors = field(default_factory=RatePriors)
     max_in_flight: int = 4096  # held + admitted, then 503
     cheap_prefill_tokens: int = 256  # a request with at most this many uncached prompt tokens is "cheap" (0: none)
@@ -77,16 +82,27 @@ class Ticket:
 
 
 class _EngineRouter(Router):
-    """The router over one worker, the engine: prefix hits come from the engine's own cache.
+    """The router over one worker, the engine: prefix hits come from the engine's own cache, and the work in
+    front of a request is what the engine's own order puts there.
 
     Cheap requests first: under overload, serving a continuation turn whose context is cached (a few
     hundred uncached tokens) instead of a new session's first turn (thousands) turns the same compute into
     several good requests. A request with at most `cheap_prefill_tokens` uncached tokens is ranked ahead of
-    the others of its priority level in the engine (`Request.rank`), so the prefill work in front of it is
-    only that of the cheap requests pending plus what remains of the prefills the engine already started
-    (at most one step's budget of the others' pending work): its snapshot counts just those. The others are predicted with all pending work in front, as before; cheap requests that arrive
-    later and pass them are what the miss-rate margin learns.
+    the others of its priority level in the engine (`Request.rank`); within a rank the engine goes by
+    earliest TTFT deadline (EDF). So the prefill work in front of a request is that of the pending requests
+    the engine orders before it — (priority, rank, deadline) not after its own — plus what remains of the
+    prefills the engine already started (at most one step's budget of the others' pending work): its
+    snapshot counts just those. A request that was held is dispatched with an earlier deadline than the
+    newcomers admitted meanwhile, and goes before them: counting them in front of it (as the router's
+    FIFO view does) made held requests look hopeless and refused them late.
+
+    Cheap requests that arrive later still pass a non-cheap one while it waits: their share of the engine's
+    time (`passing_share`, the cheap prefill admitted over the last `PASSING_WINDOW_S`, in predicted
+    seconds per second) stretches its wait for the work in front (snapshot.py).
     """
+
+    PASSING_WINDOW_S = 5.0
+    MAX_PASSING_SHARE = 0.8
 
     def __init__(self, cfg: RouterConfig, engine, clock, cheap_prefill_tokens: int = 0):
         super().__init__(cfg, clock, metrics_prefix="tokenmill_admission_")
@@ -94,7 +110,8 @@ class _EngineRouter(Router):
         self.cheap_prefill_tokens = cheap_prefill_tokens
         self.worker = self.add_worker(WorkerSpec(LOCAL_WORKER, "tokenmill"))
         self.worker.healthy = True
-        self.cheap_pending: dict[str, InFlight] = {}  # cheap requests whose prefill is pending
+        self.pending: dict[str, tuple[tuple[int, int, float], InFlight]] = {}  # engine order key, attempt
+        self.cheap_admitted: deque[tuple[float, float]] = deque()  # (time, predicted own prefill s) of cheap ones
 
     def cached_prefix(self, ctx: RequestCtx, w: WorkerState, now: float) -> tuple[int, int]:
         lookup = getattr(self.engine, "cached_prefix_tokens", None)
@@ -104,22 +121,44 @@ class _EngineRouter(Router):
         ctx.cheap = 0 < ctx.prompt_tokens - hit <= self.cheap_prefill_tokens
         return hit, 0
 
+    @staticmethod
+    def order_key(ctx: RequestCtx) -> tuple[int, int, float]:
+        """The engine's waiting order (Request.waiting_key): priority, rank (cheap 0), TTFT deadline."""
+        return ctx.cls.priority, 0 if getattr(ctx, "cheap", False) else 1, ctx.arrival_s + ctx.cls.ttft_slo_s
+
+    def passing_share(self, now: float) -> float:
+        """Share of the engine's time the cheap prompts admitted lately took (they pass non-cheap waiting ones)."""
+        q = self.cheap_admitted
+        while q and q[0][0] < now - self.PASSING_WINDOW_S:
+            q.popleft()
+        return min(self.MAX_PASSING_SHARE, sum(s for _, s in q) / self.PASSING_WINDOW_S)
+
     def snapshot(self, ctx: RequestCtx):
         snap, chunks = super().snapshot(ctx)
-        if not (isinstance(ctx, ServerCtx) and ctx.cheap):
+        if not isinstance(ctx, ServerCtx):
             return snap, chunks
-        for rid, f in list(self.cheap_pending.items()):
+        for rid, (_, f) in list(self.pending.items()):
             if f.prefill_done:
-                del self.cheap_pending[rid]
-        pending = self.cheap_pending.values()
-        cheap_tokens = sum(f.uncached_tokens for f in pending)
+                del self.pending[rid]
+        key = self.order_key(ctx)
+        before = [f for k, f in self.pending.values() if k <= key]
+        tokens = sum(f.uncached_tokens for f in before)
         # the engine finishes the prefills it already started (running requests) before it admits anyone:
-        # up to one step's budget of the other requests' pending work is in front of a cheap request too
+        # up to one step's budget of the other requests' pending work is in front of it too
         step = getattr(getattr(self.engine, "config", None), "max_num_batched_tokens", 0)
+        passing = 0.0 if ctx.cheap else self.passing_share(snap.request.now)
         views = tuple(dataclasses.replace(
-            v, prefill_tokens=cheap_tokens + min(max(0, v.prefill_tokens - cheap_tokens), step),
-            prefill_requests=len(pending)) for v in snap.workers)
+            v, prefill_tokens=tokens + min(max(0, v.prefill_tokens - tokens), step),
+            prefill_requests=len(before), passing_share=passing) for v in snap.workers)
         return dataclasses.replace(snap, workers=views), chunks
+
+    def _dispatch(self, ctx, adm, snap, chunks) -> InFlight:
+        f = super()._dispatch(ctx, adm, snap, chunks)
+        self.pending[ctx.request_id] = (self.order_key(ctx), f)
+        if getattr(ctx, "cheap", False):
+            view = snap.workers[0]
+            self.cheap_admitted.append((snap.request.now, prefill_time_s(view, 1, f.uncached_tokens)))
+        return f
 
     def remember(self, url: str, ctx: RequestCtx, now: float) -> None:
         pass  # the engine's cache is the index
@@ -171,8 +210,6 @@ class ServerAdmission:
         ctx = ServerCtx(request_id, cls, PromptKey((), True, len(token_ids), 1), len(token_ids), self.clock(),
                         self._seq, max_tokens, token_ids=token_ids)
         flight = await r.acquire(ctx)
-        if ctx.cheap:
-            r.cheap_pending[request_id] = flight
         ticket = self._tickets[request_id] = Ticket(ctx, flight, ctx.arrival_s + cls.ttft_slo_s, 0 if ctx.cheap else 1)
         return ticket
 
@@ -188,6 +225,6 @@ class ServerAdmission:
     def release(self, request_id: str, output_tokens: int = 0) -> None:
         """The request ended (finished, failed, aborted, refused by the engine): its work leaves the books."""
         t = self._tickets.pop(request_id, None)
-        self.router.cheap_pending.pop(request_id, None)
+        self.router.pending.pop(request_id, None)
         if t is not None:
             self.router.finish(t.ctx, t.flight, output_tokens, None)

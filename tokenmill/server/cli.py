@@ -52,6 +52,11 @@ def add_parser(sub) -> None:
                         "judging whether holding it can still get it admitted before its hold deadline; slow "
                         "refuses at once what does not meet its SLO now (fast 429s under overload), fast holds "
                         "within the predictor's whole error band (default: %(default)s)")
+    p.add_argument("--admission-hold", default="sheddable", choices=["sheddable", "all"],
+                   help="leading admission: which classes may be held in their queue when they do not meet "
+                        "their SLO now; sheddable: only batch, the others are refused at once (the engine's "
+                        "deadline-ordered queue is their hold; every 429 comes at arrival), all: hold any "
+                        "class up to its hold deadline (default: %(default)s)")
     p.add_argument("--slo", action="append", default=[], metavar="CLASS:ttft=MS,tpot=MS",
                    help="a workload class's SLOs (repeatable; CLASS may be * for all). Defaults: "
                         + ", ".join(f"{c.name} ttft={c.ttft_slo_s * 1000:g} tpot={c.tpot_slo_s * 1000:g}"
@@ -102,7 +107,8 @@ def admission_config_from_args(args):
     if args.default_class not in classes:
         raise CLIError(f"--default-class {args.default_class!r}: choose from {', '.join(classes)}")
     return ServerAdmissionConfig(classes=tuple(classes.values()), default_class=args.default_class,
-                                 admission=AdmissionConfig(mode=args.admission, hold_drain=args.admission_hold_drain))
+                                 admission=AdmissionConfig(mode=args.admission, hold_drain=args.admission_hold_drain,
+                                                           hold=args.admission_hold))
 
 
 def run(args) -> int:
