@@ -1061,15 +1061,11 @@ void linear_small_int8(torch::Tensor out, torch::Tensor x, torch::Tensor w8, tor
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define TM_VNNI 1
 template <int M, int R>
-static void linear_small_vnni_rows(const uint8_t* xu, const float* sx, const int8_t* wp, const int32_t* wsum,
-                                   const float* swp, const float* bias_f, float* accf, int64_t K, int64_t N,
-                                   int64_t n0, int64_t n1) {
-  // accf[m * N + n] receives the dequantized fp32 result; the caller converts to the output dtype
+static void linear_small_vnni_rows(const uint8_t* xu, const int8_t* wp, const int32_t* wsum, int32_t* acc_out,
+                                   int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  // acc_out[m * N + n] receives sum_k q[m, k] W[n, k] (exact int32); the caller dequantizes with dequant_rows
   int64_t n = n0;
-  auto finish = [&](int64_t nn, int m, int32_t acc) {
-    const float v = (float)(acc - 128 * wsum[nn]) * sx[m] * swp[nn];
-    accf[m * N + nn] = bias_f ? v + bias_f[nn] : v;
-  };
+  auto finish = [&](int64_t nn, int m, int32_t acc) { acc_out[m * N + nn] = acc - 128 * wsum[nn]; };
   for (; n + R <= n1; n += R) {
     __m512i a[R][M];
     for (int r = 0; r < R; ++r)
@@ -1122,32 +1118,26 @@ static void linear_small_vnni_impl(torch::Tensor out, torch::Tensor x, torch::Te
     quantize_rows_impl<T>(qt, st, x);
   }
   for (int64_t i = 0; i < M * K; ++i) xu[i] = (uint8_t)((int)q[i] + 128);
-  std::vector<float> bias_f;
-  if (bias.has_value()) {
-    const T* bp = bias->data_ptr<T>();
-    bias_f.resize(N);
-    for (int64_t n = 0; n < N; ++n) bias_f[n] = to_f(bp[n]);
-  }
-  std::vector<float> res(M * N);
+  std::vector<int32_t> acc(M * N);
   const int8_t* wp = w8.data_ptr<int8_t>();
   const int32_t* wsp = wsum.data_ptr<int32_t>();
-  const float* swp = sw.data_ptr<float>();
-  const float* bfp = bias.has_value() ? bias_f.data() : nullptr;
-  float* rp = res.data();
+  const uint8_t* xp = xu.data();
+  int32_t* ap = acc.data();
   at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
     switch (M) {
-      case 1: return linear_small_vnni_rows<1, 8>(xu.data(), sx.data(), wp, wsp, swp, bfp, rp, K, N, n0, n1);
-      case 2: return linear_small_vnni_rows<2, 4>(xu.data(), sx.data(), wp, wsp, swp, bfp, rp, K, N, n0, n1);
-      case 3: return linear_small_vnni_rows<3, 2>(xu.data(), sx.data(), wp, wsp, swp, bfp, rp, K, N, n0, n1);
-      case 4: return linear_small_vnni_rows<4, 2>(xu.data(), sx.data(), wp, wsp, swp, bfp, rp, K, N, n0, n1);
-      case 5: return linear_small_vnni_rows<5, 1>(xu.data(), sx.data(), wp, wsp, swp, bfp, rp, K, N, n0, n1);
-      case 6: return linear_small_vnni_rows<6, 1>(xu.data(), sx.data(), wp, wsp, swp, bfp, rp, K, N, n0, n1);
-      case 7: return linear_small_vnni_rows<7, 1>(xu.data(), sx.data(), wp, wsp, swp, bfp, rp, K, N, n0, n1);
-      default: return linear_small_vnni_rows<8, 1>(xu.data(), sx.data(), wp, wsp, swp, bfp, rp, K, N, n0, n1);
+      case 1: return linear_small_vnni_rows<1, 8>(xp, wp, wsp, ap, K, N, n0, n1);
+      case 2: return linear_small_vnni_rows<2, 4>(xp, wp, wsp, ap, K, N, n0, n1);
+      case 3: return linear_small_vnni_rows<3, 2>(xp, wp, wsp, ap, K, N, n0, n1);
+      case 4: return linear_small_vnni_rows<4, 2>(xp, wp, wsp, ap, K, N, n0, n1);
+      case 5: return linear_small_vnni_rows<5, 1>(xp, wp, wsp, ap, K, N, n0, n1);
+      case 6: return linear_small_vnni_rows<6, 1>(xp, wp, wsp, ap, K, N, n0, n1);
+      case 7: return linear_small_vnni_rows<7, 1>(xp, wp, wsp, ap, K, N, n0, n1);
+      default: return linear_small_vnni_rows<8, 1>(xp, wp, wsp, ap, K, N, n0, n1);
     }
   });
-  T* op = out.data_ptr<T>();
-  for (int64_t i = 0; i < M * N; ++i) op[i] = from_f<T>(rp[i]);
+  // the int8 GEMM path's own epilogue, so both paths round the same way
+  dequant_rows_impl<T>(out, torch::from_blob(ap, {M, N}, torch::kInt), torch::from_blob(sx.data(), {M}, torch::kFloat),
+                       sw, bias);
 #else
   TORCH_CHECK(false, "linear_small_vnni: this build has no AVX-512 VNNI");
 #endif
