@@ -89,8 +89,10 @@ class FusedDecodeStack:
                 and meta.decode_token_idx.shape[0] == t and x.is_contiguous())
 
     def _cache_list(self, kv_caches) -> list[torch.Tensor]:
-        key = tuple(id(c) for c in kv_caches)
-        if key != self._caches_key:  # the runner's caches live as long as it does: split them once
+        key = self._caches_key
+        if key is None or len(key) != len(kv_caches) or any(a is not b for a, b in zip(key, kv_caches)):
+            # the runner's caches live as long as it does: split them once (the key holds the cache objects
+            # themselves, so a freed cache's id cannot be reused under it)
             empty = torch.empty(0)
             out = []
             for c in kv_caches:
@@ -98,7 +100,7 @@ class FusedDecodeStack:
                     out.extend((c.data[0], c.data[1], c.scales[0], c.scales[1]))
                 else:
                     out.extend((c[0], c[1], empty, empty))
-            self._caches, self._caches_key = out, key
+            self._caches, self._caches_key = out, tuple(kv_caches)
         return self._caches
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope, kv_caches, meta: AttentionMetadata):
