@@ -197,6 +197,30 @@ def test_int8_quantize_dequantize_and_small_kernel_against_pytorch(dtype):
                                rtol=1.6e-2, atol=1e-2)
 
 
+@needs_kernels
+@pytest.mark.skipif(kernels is None or not kernels.has_vnni_small(), reason="no AVX-512 VNNI build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 37), (3, 128, 300), (5, 1408, 64), (8, 512, 1000)])
+def test_vnni_small_rows_equal_the_int8_gemm_path(dtype, rows, k, n):
+    """linear_small_vnni is the W8A8 product of quantize_rows + torch._int_mm + dequant_rows: the same int32
+    sums (the unsigned shift taken back out exactly), then dequant_rows itself: equal bits."""
+    g = torch.Generator().manual_seed(rows * k)
+    x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+    if rows > 1:
+        x[1] = 0  # an all-zero row
+    w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    sw, b = torch.rand(n, generator=g) * 0.01 + 1e-4, torch.randn(n, generator=g).to(dtype)
+    out = torch.empty(rows, n, dtype=dtype)
+    kernels.linear_small_vnni(out, x, w8, w8.sum(1, dtype=torch.int32), sw, b)
+    q, sx = torch.empty(rows, k, dtype=torch.int8), torch.empty(rows)
+    kernels.quantize_rows(q, sx, x)
+    acc = torch.mm(q.long(), w8.long().t()).int()  # exact int32 sums, independent of any int8 GEMM
+    ref = torch.empty(rows, n, dtype=dtype)
+    kernels.dequant_rows(ref, acc, sx, sw, b)
+    assert torch.equal(out, ref)
+    assert not torch.equal(out, torch.zeros_like(out))
+
+
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_int8_linear_method_is_w8a8_of_the_plain_layer(rows):
     from tokenmill.model.linear import Int8LinearMethod, Linear

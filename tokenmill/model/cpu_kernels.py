@@ -21,17 +21,20 @@ _state: dict = {}
 
 
 def _isa_flags() -> tuple[str, list[str]]:
-    """(build-name suffix, compiler flags) for this CPU: AVX2+FMA, plus AVX-512 bf16 dot products where they
-    are native (and not capped away by ONEDNN_MAX_CPU_ISA, so an older CPU can be emulated on this one)."""
+    """(build-name suffix, compiler flags) for this CPU: AVX2+FMA, plus AVX-512 bf16 and int8 (VNNI) dot products
+    where they are native (and not capped away by ONEDNN_MAX_CPU_ISA, so an older CPU can be emulated on this one)."""
     from tokenmill.hardware import capabilities
 
     caps = capabilities()
     if "avx2" not in caps.cpu_flags or "fma" not in caps.cpu_flags:
         return "", []
-    flags = ["-mavx2", "-mfma"]
+    flags, suffix = ["-mavx2", "-mfma"], "_avx2"
+    avx512 = ["-mavx512f", "-mavx512bw", "-mavx512vl"]
     if caps.native_bf16 and "avx512_bf16" in caps.cpu_flags:
-        return "_avx512bf16", flags + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-    return "_avx2", flags
+        flags, suffix = flags + avx512 + ["-mavx512bf16"], "_avx512bf16"
+    if caps.native_int8 and "avx512_vnni" in caps.cpu_flags:  # int8 dot products for small-batch W8A8
+        flags, suffix = list(dict.fromkeys(flags + avx512 + ["-mavx512vnni"])), suffix + "_vnni"
+    return suffix, flags
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # storage types; the math is fp32 in both

@@ -111,6 +111,9 @@ class LlamaModel(nn.Module):
         elif self.lm_head is None:
             self.tied_head = PackedWeight.maybe(self.embed_tokens.weight)
         self.decode_read_bytes = self._decode_read_bytes()
+        from tokenmill.model.fused_decode import FusedDecodeStack
+
+        self.fused = FusedDecodeStack.build(self)  # None: every step runs the modules below
 
     def _decode_read_bytes(self) -> int:
         """The weight bytes one batch-1 decode step must read (the bandwidth floor's numerator): every projection
@@ -135,6 +138,9 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        fused = getattr(self, "fused", None)
+        if fused is not None and fused.applies(x, meta) and positions.dtype == torch.int64:
+            return fused(x, positions, self.rope, kv_caches, meta)
         for layer, cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, cache, meta)
         return self.norm(x)

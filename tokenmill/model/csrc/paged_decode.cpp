@@ -1053,6 +1053,182 @@ void linear_small_int8(torch::Tensor out, torch::Tensor x, torch::Tensor w8, tor
   TM_DISPATCH(x, "linear_small_int8", [&] { linear_small_int8_impl<scalar_t>(out, x, w8, sw, bias); });
 }
 
+// ---- int8 W8A8 at small batch with int8 dot products (AVX-512 VNNI) ----
+// The same product as quantize_rows + torch._int_mm + dequant_rows (bit-identical int32 sums, the same fp32
+// epilogue), for at most 8 rows, streaming the int8 weights once: each x row is quantized per token (s = max|x| / 127,
+// round to nearest even), shifted to unsigned (u = q + 128) for vpdpbusd (u8 x s8 -> s32, 64 products per
+// instruction), and the shift is taken back out with the weight row sums: sum(q w) = sum(u w) - 128 sum(w).
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define TM_VNNI 1
+template <int M, int R>
+static void linear_small_vnni_rows(const uint8_t* xu, const int8_t* wp, const int32_t* wsum, int32_t* acc_out,
+                                   int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  // acc_out[m * N + n] receives sum_k q[m, k] W[n, k] (exact int32); the caller dequantizes with dequant_rows
+  int64_t n = n0;
+  auto finish = [&](int64_t nn, int m, int32_t acc) { acc_out[m * N + nn] = acc - 128 * wsum[nn]; };
+  for (; n + R <= n1; n += R) {
+    __m512i a[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) a[r][m] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 64) {
+      __m512i xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_si512(xu + m * K + k);
+      for (int r = 0; r < R; ++r) {
+        const __m512i wv = _mm512_loadu_si512(wp + (n + r) * K + k);
+        for (int m = 0; m < M; ++m) a[r][m] = _mm512_dpbusd_epi32(a[r][m], xv[m], wv);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) finish(n + r, m, _mm512_reduce_add_epi32(a[r][m]));
+  }
+  for (; n < n1; ++n)
+    for (int m = 0; m < M; ++m) {
+      __m512i a = _mm512_setzero_si512();
+      for (int64_t k = 0; k < K; k += 64)
+        a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(xu + m * K + k), _mm512_loadu_si512(wp + n * K + k));
+      finish(n, m, _mm512_reduce_add_epi32(a));
+    }
+}
+#endif
+
+bool has_vnni_small() {
+#ifdef TM_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+template <typename T>
+static void linear_small_vnni_impl(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch::Tensor wsum,
+                                   torch::Tensor sw, c10::optional<torch::Tensor> bias) {
+#ifdef TM_VNNI
+  TORCH_CHECK(x.is_contiguous() && w8.is_contiguous() && out.is_contiguous() && w8.scalar_type() == at::kChar &&
+              wsum.scalar_type() == at::kInt && sw.scalar_type() == at::kFloat, "linear_small_vnni: layout");
+  const int64_t M = x.size(0), K = x.size(1), N = w8.size(0);
+  TORCH_CHECK(w8.size(1) == K && out.size(0) == M && out.size(1) == N && M >= 1 && M <= 8 && K % 64 == 0,
+              "linear_small_vnni: shapes (K a multiple of 64, at most 8 rows)");
+  // quantize the rows exactly as quantize_rows does (same scale, same rounding), then shift to unsigned
+  std::vector<int8_t> q(M * K);
+  std::vector<float> sx(M);
+  std::vector<uint8_t> xu(M * K);
+  {
+    auto qt = torch::from_blob(q.data(), {M, K}, torch::kChar);
+    auto st = torch::from_blob(sx.data(), {M}, torch::kFloat);
+    quantize_rows_impl<T>(qt, st, x);
+  }
+  for (int64_t i = 0; i < M * K; ++i) xu[i] = (uint8_t)((int)q[i] + 128);
+  std::vector<int32_t> acc(M * N);
+  const int8_t* wp = w8.data_ptr<int8_t>();
+  const int32_t* wsp = wsum.data_ptr<int32_t>();
+  const uint8_t* xp = xu.data();
+  int32_t* ap = acc.data();
+  at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: return linear_small_vnni_rows<1, 8>(xp, wp, wsp, ap, K, N, n0, n1);
+      case 2: return linear_small_vnni_rows<2, 4>(xp, wp, wsp, ap, K, N, n0, n1);
+      case 3: return linear_small_vnni_rows<3, 2>(xp, wp, wsp, ap, K, N, n0, n1);
+      case 4: return linear_small_vnni_rows<4, 2>(xp, wp, wsp, ap, K, N, n0, n1);
+      case 5: return linear_small_vnni_rows<5, 1>(xp, wp, wsp, ap, K, N, n0, n1);
+      case 6: return linear_small_vnni_rows<6, 1>(xp, wp, wsp, ap, K, N, n0, n1);
+      case 7: return linear_small_vnni_rows<7, 1>(xp, wp, wsp, ap, K, N, n0, n1);
+      default: return linear_small_vnni_rows<8, 1>(xp, wp, wsp, ap, K, N, n0, n1);
+    }
+  });
+  // the int8 GEMM path's own epilogue, so both paths round the same way
+  dequant_rows_impl<T>(out, torch::from_blob(ap, {M, N}, torch::kInt), torch::from_blob(sx.data(), {M}, torch::kFloat),
+                       sw, bias);
+#else
+  TORCH_CHECK(false, "linear_small_vnni: this build has no AVX-512 VNNI");
+#endif
+}
+
+// y = W8A8 product of x [M <= 8, K] and int8 W [N, K] (per-token activation scales, per-channel weight scales
+// `sw`, weight row sums `wsum`), as the int8 GEMM path computes it, with the weights streamed once
+void linear_small_vnni(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch::Tensor wsum, torch::Tensor sw,
+                       c10::optional<torch::Tensor> bias) {
+  TM_DISPATCH(x, "linear_small_vnni", [&] { linear_small_vnni_impl<scalar_t>(out, x, w8, wsum, sw, bias); });
+}
+
+// ---- the whole decoder stack in one call, for steps of at most 8 new tokens that all attend like decodes ----
+// (one decode token per sequence, or k speculative tokens each with its own context length). It runs exactly
+// the kernels the Python modules pick for such a step, in the same order, so its results are the same bits
+// (tests/model/test_fused_decode.py); what it removes is the Python and dispatch between them (~12 calls per
+// layer). Per layer `w` holds LAYER_SLOTS tensors (an absent one is an empty tensor):
+//   0 input norm, 1 post-attention norm, 2 q norm, 3 k norm (qk-norm models),
+//   then for qkv, o, gate_up, down (4 slots each, from 4): weight (float [N, K] or int8), int8 row sums,
+//   int8 per-channel scales, bias;
+// `kinds` per layer and linear: 0 float (linear_small), 1 int8 VNNI (linear_small_vnni), 2 int8 weights with
+// float activations (linear_small_int8); `caches` per layer: K cache, V cache, K scales, V scales (int8 KV).
+static constexpr int64_t LAYER_SLOTS = 20;
+
+static inline c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
+  return t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
+static void small_linear(torch::Tensor out, torch::Tensor x, const std::vector<torch::Tensor>& w, int64_t base,
+                         int64_t kind) {
+  if (kind == 0) linear_small(out, x, w[base], opt(w[base + 3]));
+  else if (kind == 1) linear_small_vnni(out, x, w[base], w[base + 1], w[base + 2], opt(w[base + 3]));
+  else linear_small_int8(out, x, w[base], w[base + 2], opt(w[base + 3]));
+}
+
+torch::Tensor decoder_stack_small(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                                  std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
+                                  std::vector<torch::Tensor> caches, torch::Tensor slot_mapping,
+                                  torch::Tensor block_tables, torch::Tensor ctx_lens, torch::Tensor final_norm,
+                                  double eps, double scale, int64_t window, int64_t nh, int64_t nkv, int64_t hd,
+                                  int64_t inter) {
+  const int64_t T = x.size(0), H = x.size(1), L = (int64_t)kinds.size() / 4;
+  TORCH_CHECK(x.is_contiguous() && T >= 1 && T <= 8, "decoder_stack_small: x [T <= 8, hidden] contiguous");
+  TORCH_CHECK((int64_t)w.size() == L * LAYER_SLOTS && (int64_t)caches.size() == L * 4, "decoder_stack_small: lists");
+  const auto opts = x.options();
+  auto h = at::empty({T, H}, opts);
+  auto qkv = at::empty({T, (nh + 2 * nkv) * hd}, opts);
+  auto attn = at::empty({T, nh, hd}, opts);
+  auto a_out = at::empty({T, H}, opts);
+  auto gu = at::empty({T, 2 * inter}, opts);
+  auto act = at::empty({T, inter}, opts);
+  auto d = at::empty({T, H}, opts);
+  for (int64_t l = 0; l < L; ++l) {
+    const int64_t b = l * LAYER_SLOTS;
+    const int64_t* kd = kinds.data() + l * 4;
+    rms_norm(h, x, c10::nullopt, w[b], eps);
+    small_linear(qkv, h, w, b + 4, kd[0]);
+    auto q = qkv.narrow(1, 0, nh * hd).view({T, nh, hd});
+    auto k = qkv.narrow(1, nh * hd, nkv * hd).view({T, nkv, hd});
+    auto v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({T, nkv, hd});
+    if (w[b + 2].numel() > 0) {  // qk-norm: per head, over head_dim
+      auto qc = q.contiguous(), kc = k.contiguous();
+      q = at::empty_like(qc);
+      k = at::empty_like(kc);
+      rms_norm(q.view({T * nh, hd}), qc.view({T * nh, hd}), c10::nullopt, w[b + 2], eps);
+      rms_norm(k.view({T * nkv, hd}), kc.view({T * nkv, hd}), c10::nullopt, w[b + 3], eps);
+    }
+    rope_inplace(q, positions, cos, sin);
+    rope_inplace(k, positions, cos, sin);
+    const auto& kc = caches[l * 4];
+    const auto& vc = caches[l * 4 + 1];
+    if (kc.scalar_type() == at::kChar) {
+      write_kv_int8(kc, vc, caches[l * 4 + 2], caches[l * 4 + 3], k, v, slot_mapping);
+      paged_decode_attention(attn, q, kc, vc, block_tables, ctx_lens, scale, window, caches[l * 4 + 2],
+                             caches[l * 4 + 3]);
+    } else {
+      write_kv(kc, vc, k.to(kc.scalar_type()), v.to(kc.scalar_type()), slot_mapping);
+      paged_decode_attention(attn, q, kc, vc, block_tables, ctx_lens, scale, window, c10::nullopt, c10::nullopt);
+    }
+    small_linear(a_out, attn.view({T, nh * hd}), w, b + 8, kd[1]);
+    rms_norm(h, x, a_out, w[b + 1], eps);  // x += attention output, h = norm(x)
+    small_linear(gu, h, w, b + 12, kd[2]);
+    silu_mul(act, gu);
+    small_linear(d, act, w, b + 16, kd[3]);
+    x.add_(d);
+  }
+  auto out = at::empty({T, H}, opts);
+  rms_norm(out, x, c10::nullopt, final_norm, eps);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32/bf16 q, any KV dtype)",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
@@ -1066,5 +1242,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_inplace", &rope_inplace, "neox rotary embedding in place (CPU, fp32/bf16)");
   m.def("quantize_rows", &quantize_rows, "int8 per-row dynamic quantization (CPU, fp32/bf16 in)");
   m.def("dequant_rows", &dequant_rows, "int32 GEMM result -> scaled fp32/bf16 (+ bias)");
+  m.def("linear_small_vnni", &linear_small_vnni, "W8A8 y = q(x) W8^T * sx * sw (+ b) for at most 8 rows (AVX-512 VNNI)");
+  m.def("decoder_stack_small", &decoder_stack_small, "all decoder layers + final norm for <= 8 decode tokens (CPU)");
+  m.def("has_vnni_small", &has_vnni_small, "whether linear_small_vnni is compiled in");
   m.def("linear_small_int8", &linear_small_int8, "y = x W8^T * sw (+ b) for at most 8 rows (CPU)");
 }

@@ -1,0 +1,84 @@
+"""Small-batch decode: the fused decoder stack (one C++ call per step) against the module path, per precision.
+
+    python benchmarks/decode_fixed_cost.py --model /tmp/m/small-bf16 --threads 2 --configs auto auto+int8
+
+For each tokenmill config (DTYPE[+int8][@KV] as in offline_throughput.py) one engine is loaded and the same
+greedy requests (batch sizes from --batch, 128 tokens each after a 32-token prompt) alternate between the fused
+path (`model.fused`, see tokenmill/model/fused_decode.py) and the module path (`model.fused = None`), --rounds
+times; the best round of each is printed as ms per step, with the weight-bandwidth floor of a step (the weight
+bytes a decode step reads, `LlamaModel.decode_read_bytes`, over the read bandwidth measured in the same run) and
+whether both paths produced the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--configs", nargs="+", default=["auto", "auto+int8"])
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 4])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from offline_throughput import measure_read_bandwidth  # noqa: E402 (benchmarks/ is the script's directory)
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.hardware import capabilities
+
+    print(f"# CPU: {capabilities().summary()}")
+    print(f"# model {args.model}, torch threads {torch.get_num_threads()}, {args.tokens} tokens per request, "
+          f"best of {args.rounds} alternating rounds\n")
+    bw = measure_read_bandwidth()
+    rows = []
+    for spec in args.configs:
+        spec, _, kv = spec.partition("@")
+        dtype, _, quant = spec.partition("+")
+        llm = LLM(args.model, kv_cache_bytes="1GiB", max_model_len=2048, enable_prefix_caching=False, dtype=dtype,
+                  quantization=quant or "none", kv_cache_dtype=kv or "auto")
+        model = llm.engine.runner.model
+        fused = model.fused
+        name = f"--dtype {dtype}" + (f" --quantization {quant}" if quant else "") + (f" --kv-cache-dtype {kv}" if kv else "")
+        name += f" ({str(llm.engine.dtype).replace('torch.', '')})"
+        g = torch.Generator().manual_seed(0)
+        for b in args.batch:
+            prompts = [torch.randint(1, min(4096, model.cfg.vocab_size), (32,), generator=g).tolist() for _ in range(b)]
+            llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+            best, toks = {}, {}
+            for _ in range(args.rounds):
+                for path, stack in (("fused", fused), ("modules", None)):
+                    if path == "fused" and stack is None:
+                        continue
+                    model.fused = stack
+                    t = time.perf_counter()
+                    res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
+                    ms = (time.perf_counter() - t) / args.tokens * 1000
+                    best[path] = min(best.get(path, ms), ms)
+                    toks.setdefault(path, [r.outputs[0].token_ids for r in res])
+            model.fused = fused
+            floor = model.decode_read_bytes / bw * 1000
+            rows.append((name, b, best.get("fused"), best["modules"], floor, model.decode_read_bytes,
+                         toks.get("fused") == toks["modules"] if "fused" in toks else None))
+        del llm
+    print(f"| config | batch | fused ms/step | modules ms/step | fused speedup | weights read per step | "
+          f"floor ms/step (at {bw / 1e9:.1f} GB/s) | fused / floor | modules / floor | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, b, f, m, floor, nbytes, same in rows:
+        fs = f"{f:.2f}" if f is not None else "n/a"
+        print(f"| {name} | {b} | {fs} | {m:.2f} | {m / f:.2f}x | {nbytes / 1e6:.1f} MB | {floor:.2f} | "
+              f"{(f / floor) if f else float('nan'):.2f}x | {m / floor:.2f}x | {same} |"
+              if f is not None else
+              f"| {name} | {b} | n/a | {m:.2f} | n/a | {nbytes / 1e6:.1f} MB | {floor:.2f} | n/a | {m / floor:.2f}x | n/a |")
+
+
+if __name__ == "__main__":
+    main()

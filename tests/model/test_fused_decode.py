@@ -1,0 +1,104 @@
+"""The fused decoder stack (one C++ call for small decode steps) against the module path it replaces.
+
+The reference is the same engine with `model.fused = None` (every step through the nn.Modules in llama.py). The
+fused path calls the same kernels in the same order, so greedy tokens and their logprobs must be equal (bit for
+bit where no qk-norm is involved; qk-norm models take the kernel RMSNorm where the module path's strided view
+takes PyTorch's, so their logprobs get a tolerance)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.cpu_kernels import get_kernels
+from tokenmill.model.fused_decode import FusedDecodeStack
+
+pytestmark = pytest.mark.skipif(get_kernels() is None, reason="no C++ CPU kernels on this machine")
+
+PROMPTS = [[5, 17, 300, 42, 9, 11], [7, 8, 9], list(range(40, 80)), [1000, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+
+
+class _Counting:
+    """Wraps a FusedDecodeStack and counts the steps it ran (so a silent fallback fails the test)."""
+
+    def __init__(self, inner: FusedDecodeStack):
+        self.inner, self.calls = inner, 0
+
+    def applies(self, x, meta):
+        return self.inner.applies(x, meta)
+
+    def __call__(self, *a):
+        self.calls += 1
+        return self.inner(*a)
+
+
+def _run(llm: LLM, prompts, fused, max_tokens=12):
+    model = llm.engine.runner.model
+    model.fused = fused
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
+    res = llm.generate(prompts, params)
+    llm.engine.kv.pool.reset_prefix_cache()
+    return ([r.outputs[0].token_ids for r in res],
+            torch.tensor([[lp.logprob for lp in r.outputs[0].logprobs] for r in res]))
+
+
+def _compare(llm: LLM, prompts, exact: bool):
+    model = llm.engine.runner.model
+    stack = model.fused
+    assert stack is not None, "the fused path was not built for this model"
+    counting = _Counting(stack)
+    got_tokens, got_lp = _run(llm, prompts, counting)
+    ref_tokens, ref_lp = _run(llm, prompts, None)
+    model.fused = stack
+    assert counting.calls > 0, "no step took the fused path"
+    assert got_tokens == ref_tokens
+    if exact:
+        assert torch.equal(got_lp, ref_lp), (got_lp - ref_lp).abs().max()
+    else:
+        torch.testing.assert_close(got_lp, ref_lp, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,quant,kv", [
+    ("float32", "none", "auto"), ("bfloat16", "none", "auto"), ("float32", "int8", "auto"),
+    ("bfloat16", "int8", "int8"), ("float32", "none", "bfloat16")])
+def test_fused_decode_equals_the_module_path(tiny_dir, dtype, quant, kv):
+    llm = LLM(str(tiny_dir), dtype=dtype, quantization=quant, kv_cache_dtype=kv, kv_cache_bytes="8MiB")
+    _compare(llm, PROMPTS[:1], exact=True)  # batch 1
+    _compare(llm, PROMPTS, exact=True)  # 4 sequences per step, different context lengths
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama3", "tiny-mistral"])
+def test_fused_decode_on_other_architectures(model_dir, preset):
+    """qkv bias (qwen2), llama3 rope and tied head, one kv head of 32 dims (mistral)."""
+    llm = LLM(str(model_dir(preset)), dtype="bfloat16", kv_cache_bytes="8MiB")
+    _compare(llm, PROMPTS, exact=True)
+
+
+def test_fused_decode_with_qk_norm(model_dir):
+    llm = LLM(str(model_dir("tiny-qwen3")), dtype="float32", kv_cache_bytes="8MiB")
+    _compare(llm, PROMPTS, exact=False)
+
+
+def test_fused_decode_runs_speculative_verification_steps():
+    """k draft tokens per sequence (each attends with its own context length) go through the fused stack too."""
+    llm = LLM("demo", kv_cache_bytes="32MiB", dtype="float32", speculative_model="ngram", num_speculative_tokens=4)
+    prompts = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5, 6, 3, 4]]  # repetitive: the n-gram proposer finds drafts
+    _compare(llm, prompts, exact=True)
+
+
+def test_a_wrong_fused_stack_is_caught(tiny_dir):
+    """The comparison above can fail: a fused stack whose final norm is off changes the logprobs."""
+    llm = LLM(str(tiny_dir), dtype="float32", kv_cache_bytes="8MiB")
+    stack = llm.engine.runner.model.fused
+    stack.final_norm = stack.final_norm * 1.01
+    with pytest.raises(AssertionError):
+        _compare(llm, PROMPTS[:1], exact=True)
+
+
+def test_fused_decode_off_by_env(monkeypatch, tiny_dir):
+    monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "0")
+    assert LLM(str(tiny_dir), kv_cache_bytes="8MiB").engine.runner.model.fused is None
+    monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "yes")
+    with pytest.raises(ValueError, match="TOKENMILL_FUSED_DECODE"):
+        LLM(str(tiny_dir), kv_cache_bytes="8MiB")
