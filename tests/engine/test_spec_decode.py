@@ -51,7 +51,10 @@ def _ngram_reference(tokens, k, lo, hi):
         suffix = tokens[-n:]
         for i in range(len(tokens) - n - 1, -1, -1):  # latest occurrence followed by a known token
             if tokens[i:i + n] == suffix:
-                return tokens[i + n:i + n + k]
+                ext = list(tokens)  # the continuation copies on over its own output (the cycle repeats)
+                for j in range(k):
+                    ext.append(ext[i + n + j])
+                return ext[len(tokens):]
     return []
 
 
@@ -64,6 +67,7 @@ def test_ngram_lookup_matches_brute_force():
         for k in (1, 3, 6):
             assert prop.lookup(toks, k) == _ngram_reference(toks, k, 2, 4), (toks, k)
     assert prop.lookup([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]
+    assert prop.lookup([5, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]  # a short cycle: the copy runs over its output
     assert prop.lookup([256, 1, 7, 1], 2) == []  # bytes of 256 and 1 overlap unaligned: no false match
 
 
