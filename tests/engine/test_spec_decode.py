@@ -310,11 +310,14 @@ def test_auto_does_not_oscillate_at_steady_load():
     """The engine under a steady batch: after warm-up, k switches are rare (hysteresis + EMAs)."""
     llm = LLM("demo", kv_cache_bytes="32MiB", speculative_model="demo-draft", num_speculative_tokens="auto")
     sp = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
-    llm.generate(PROMPTS * 2, sp)
+    llm.generate(PROMPTS * 2, sp)  # warm-up: the cost model sees its first shapes, α its first verifications
+    st0 = llm.engine.stats().spec
+    llm.generate(PROMPTS * 2, sp)  # the same load again
     st = llm.engine.stats().spec
-    steps = sum(st.chosen_k.values())
-    assert steps > 500
-    assert st.num_k_switches / steps < 0.1, (st.num_k_switches, steps, st.chosen_k)
+    steps = sum(st.chosen_k.values()) - sum(st0.chosen_k.values())
+    switches = st.num_k_switches - st0.num_k_switches
+    assert steps > 300
+    assert switches / steps < 0.1, (switches, steps, st.chosen_k)
 
 
 def test_spec_metrics_on_the_server_registry():
