@@ -51,7 +51,10 @@ def _ngram_reference(tokens, k, lo, hi):
         suffix = tokens[-n:]
         for i in range(len(tokens) - n - 1, -1, -1):  # latest occurrence followed by a known token
             if tokens[i:i + n] == suffix:
-                return tokens[i + n:i + n + k]
+                ext = list(tokens)  # the continuation copies on over its own output (the cycle repeats)
+                for j in range(k):
+                    ext.append(ext[i + n + j])
+                return ext[len(tokens):]
     return []
 
 
@@ -64,6 +67,7 @@ def test_ngram_lookup_matches_brute_force():
         for k in (1, 3, 6):
             assert prop.lookup(toks, k) == _ngram_reference(toks, k, 2, 4), (toks, k)
     assert prop.lookup([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]
+    assert prop.lookup([5, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]  # a short cycle: the copy runs over its output
     assert prop.lookup([256, 1, 7, 1], 2) == []  # bytes of 256 and 1 overlap unaligned: no false match
 
 
@@ -306,11 +310,14 @@ def test_auto_does_not_oscillate_at_steady_load():
     """The engine under a steady batch: after warm-up, k switches are rare (hysteresis + EMAs)."""
     llm = LLM("demo", kv_cache_bytes="32MiB", speculative_model="demo-draft", num_speculative_tokens="auto")
     sp = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
-    llm.generate(PROMPTS * 2, sp)
+    llm.generate(PROMPTS * 2, sp)  # warm-up: the cost model sees its first shapes, α its first verifications
+    st0 = llm.engine.stats().spec
+    llm.generate(PROMPTS * 2, sp)  # the same load again
     st = llm.engine.stats().spec
-    steps = sum(st.chosen_k.values())
-    assert steps > 500
-    assert st.num_k_switches / steps < 0.1, (st.num_k_switches, steps, st.chosen_k)
+    steps = sum(st.chosen_k.values()) - sum(st0.chosen_k.values())
+    switches = st.num_k_switches - st0.num_k_switches
+    assert steps > 300
+    assert switches / steps < 0.1, (switches, steps, st.chosen_k)
 
 
 def test_spec_metrics_on_the_server_registry():

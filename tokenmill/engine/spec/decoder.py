@@ -24,10 +24,18 @@ from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.spec.policy import SpecPolicyConfig, SpecSnapshot, StepCost, choose_k
 from tokenmill.engine.spec.stats import Acceptance, SpecStats
+from tokenmill.engine.spec.step_cost import SpecStepCost, StepCostConfig
 from tokenmill.engine.spec.verify import verify_greedy, verify_sampled
-from tokenmill.engine.step_budget import StepBudget, StepBudgetConfig
 
-EXPLORE_EVERY = 8  # auto: every this many plans k is perturbed by +1 / -1 (alternately): the cost fits need k to vary
+EXPLORE_EVERY = 8  # auto: every this many plans k may be perturbed by +1 / -1 (alternately) so the cost cells
+RE_EXPLORE_EVERY = 128  # see neighbouring shapes: only while the neighbour has < EXPLORE_SAMPLES samples, or
+EXPLORE_SAMPLES = 3  # every RE_EXPLORE_EVERY plans (costs drift with the machine's load)
+SHORT_CATCHUP = 16  # draft tokens a catch-up may hold and still be a steady-state step (the decode-kernel path)
+
+# the cost model's prior (seconds: base, per decoding seq, per drafted token, per draft step, per spec seq):
+# the demo pair on the 2-core dev box, whole engine steps; measurements replace it within a few steps
+PRIOR_DRAFT = (8e-4, 1e-4, 5e-5, 2.5e-4, 3e-5)
+PRIOR_NGRAM = (8e-4, 1e-4, 5e-5, 5e-6, 2e-5)
 
 
 class SpecDecoder:
@@ -39,12 +47,11 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.stats = SpecStats(proposer.name, accepted_per_pos=[0] * (max_k if self.auto else self.fixed_k))
         self.acceptance = Acceptance()
-        # measured costs: the target's step (runner.execute) and the proposer's (steps, tokens)
-        self.target_cost = StepBudget()
-        # a proposal round: base + per draft step (max k) + per drafted token
-        self.draft_cost = StepBudget(StepBudgetConfig(prior_base_s=1e-4, prior_decode_s=2e-4, prior_prefill_s=2e-5))
+        # measured cost of whole decode steps (plan .. postprocess) by shape (n, Σk, max k, speculating seqs)
+        self.cost = SpecStepCost(StepCostConfig(prior=PRIOR_DRAFT if proposer.has_kv else PRIOR_NGRAM),
+                                 k_scale=max_k)
         self._t_plan = 0.0  # perf_counter at this step's plan()
-        self._propose_s = 0.0
+        self._shape: tuple[int, int, int, int] | None = None  # this step's planned shape (decode-only steps)
         self.prev_k: dict[str, int] = {}
         self.drafts: dict[str, object] = {}  # request id -> this step's Draft
         self.num_plans = 0
@@ -56,17 +63,18 @@ class SpecDecoder:
                           self.max_model_len - req.num_tokens))
 
     def snapshot(self, decoding: list[Request], prefill_tokens: int, caps: list[int]) -> SpecSnapshot:
-        tb, tp, tt = self.target_cost.coef
-        dc, dstep, dtok = self.draft_cost.coef
+        c = self.cost.at(len(decoding))
+        get = self.prev_k.get
         return SpecSnapshot(
-            alphas=tuple(self.acceptance.alpha(r.request_id) for r in decoding),
+            alphas=self.acceptance.alphas([r.request_id for r in decoding]),
             caps=tuple(caps),
-            prev_k=tuple(self.prev_k.get(r.request_id) for r in decoding),
-            prefill_tokens=prefill_tokens, target=StepCost(tb, tp, tt),
-            draft_step_s=dstep, draft_token_s=dtok, draft_call_s=dc)
+            prev_k=tuple(get(r.request_id) for r in decoding),
+            prefill_tokens=prefill_tokens, target=StepCost(c.base, c.per_seq, c.per_token),
+            draft_step_s=c.per_draft_step, draft_token_s=0.0, spec_seq_s=c.per_spec_seq)
 
     def plan(self, scheduler: Scheduler, token_budget: int | None) -> dict[str, int]:
-        self._t_plan, self._propose_s = time.perf_counter(), 0.0
+        self._t_plan = time.perf_counter()
+        self._shape = None
         decoding = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         if not decoding:
             return {}
@@ -75,25 +83,42 @@ class SpecDecoder:
         if self.auto:
             budget = scheduler.config.max_num_batched_tokens if token_budget is None else token_budget
             prefill = min(max(0, budget - len(decoding)), scheduler.waiting_uncached_prompt_tokens())
-            ks = choose_k(self.snapshot(decoding, prefill, caps), self.policy)
+            ks = list(choose_k(self.snapshot(decoding, prefill, caps), self.policy))
         else:
             ks = [min(self.fixed_k, c) for c in caps]
         st = self.stats
-        plan = {}
-        explore = 0
-        if self.auto and self.num_plans % EXPLORE_EVERY == 0:
-            explore = 1 if self.num_plans % (2 * EXPLORE_EVERY) == 0 else -1
-        for i, (r, k) in enumerate(zip(decoding, ks)):
-            st.chosen_k[k] = st.chosen_k.get(k, 0) + 1
-            prev = self.prev_k.get(r.request_id)
-            if prev is not None and prev != k and not k == caps[i] < prev:  # a cap (the output's end) is no switch
+        chosen = st.chosen_k
+        prev_k = self.prev_k
+        for r, k, cap in zip(decoding, ks, caps):
+            chosen[k] = chosen.get(k, 0) + 1
+            rid = r.request_id
+            prev = prev_k.get(rid)
+            if prev is not None and prev != k and not k == cap < prev:  # a cap (the output's end) is no switch
                 st.num_k_switches += 1
-            self.prev_k[r.request_id] = k
-            if explore and (k or not self.proposer.has_kv):  # not recorded as the previous k: the plan is unchanged
-                k = min(caps[i], self.policy.k_max, max(0, k + explore))  # (a draft model is not woken from 0: that costs a catch-up)
-            if k:
-                plan[r.request_id] = k
-        return plan
+            prev_k[rid] = k  # the policy's choice: an exploration below is not recorded as the previous k
+        if self.auto and self.num_plans % EXPLORE_EVERY == 0:
+            ks = self._explore(ks, caps)
+        n = len(decoding)
+        sk = sum(ks)
+        self._shape = (n, sk, max(ks), sum(1 for k in ks if k))
+        return {r.request_id: k for r, k in zip(decoding, ks) if k}
+
+    def _explore(self, ks: list[int], caps: list[int]) -> list[int]:
+        """Perturb every speculating sequence's k by +1 or -1 (alternately) when the cost model has (almost) no
+        measurement of the resulting shape, or every RE_EXPLORE_EVERY plans. A draft model is woken from k = 0
+        only by the periodic exploration (waking costs a catch-up of its KV: a step the cost model does not
+        record, but its verification measures α again); n-gram proposals cost nothing to wake."""
+        step = 1 if self.num_plans % (2 * EXPLORE_EVERY) == 0 else -1
+        kmax = self.policy.k_max
+        periodic = self.num_plans % RE_EXPLORE_EVERY == 0
+        wake = periodic or not self.proposer.has_kv
+        out = [min(cap, kmax, max(0, k + step)) if (k or wake) else k for k, cap in zip(ks, caps)]
+        if out == ks:
+            return ks
+        shape = (len(out), sum(out), max(out), sum(1 for k in out if k))
+        if self.cost.samples(*shape) >= EXPLORE_SAMPLES and not periodic:
+            return ks
+        return out
 
     # -- propose ---------------------------------------------------------------------------------
     def propose(self, sched: SchedulerOutput, requests: dict[str, Request], gens: dict) -> None:
@@ -103,11 +128,14 @@ class SpecDecoder:
             return
         reqs = [requests[s.request_id] for s in seqs]
         ks = [s.num_spec_slots for s in seqs]
-        t0 = time.perf_counter()
         drafts = self.proposer.propose(reqs, ks, seqs, [gens.get(r.request_id) for r in reqs])
-        self._propose_s = time.perf_counter() - t0
-        if self.proposer.last_catchup <= 2:  # steady state; a long catch-up (first proposal, resuming) is a prefill
-            self.draft_cost.observe(max(ks), sum(ks), self._propose_s)
+        if self.proposer.last_catchup > SHORT_CATCHUP:  # a long catch-up (first proposal) is a prefill: not
+            self._shape = None  # this shape's steady-state cost. A short one (a sequence back from a few k = 0
+            # steps beside others that speculated) is recorded: leaving those steps out left the mixed shapes
+            # unmeasured and priced by the prior (measured: auto at 0.79x of off at c = 16)
+        elif self._shape is not None:  # the shape as run: a lookup may find fewer tokens than k (or none)
+            lens = [len(d.tokens) for d in drafts]
+            self._shape = (self._shape[0], sum(lens), max(lens), sum(1 for x in lens if x))
         for s, d in zip(seqs, drafts):
             self.drafts[s.request_id] = d
             if d.tokens:
@@ -115,13 +143,16 @@ class SpecDecoder:
                 s.num_logits = 1 + len(d.tokens)
 
     def observe_step(self, sched: SchedulerOutput) -> None:
-        """After postprocess: the step's time from plan() on, less the proposal, fitted as base + per decoding
-        sequence + per other token. Steps with prefill chunks are left out (their tokens cost differently)."""
-        if any(len(s.token_ids) != s.num_logits for s in sched.seqs):
+        """After postprocess: the whole step's time from plan() on (proposal, verify, bookkeeping) under its
+        planned shape. Steps with prefill chunks are left out (their tokens cost differently), and so are
+        steps whose proposal was a long draft catch-up."""
+        shape = self._shape
+        if shape is None or len(sched.seqs) != shape[0]:
             return
-        n = len(sched.seqs)
-        tokens = sum(len(s.token_ids) for s in sched.seqs)
-        self.target_cost.observe(n, tokens - n, time.perf_counter() - self._t_plan - self._propose_s)
+        for s in sched.seqs:
+            if len(s.token_ids) != s.num_logits:
+                return
+        self.cost.observe(*shape, time.perf_counter() - self._t_plan)
 
     # -- verify ----------------------------------------------------------------------------------
     def verify(self, req: Request, logits: torch.Tensor, gen, default_gen) -> tuple[list[int], int]:

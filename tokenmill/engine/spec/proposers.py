@@ -28,7 +28,9 @@ class Draft:
 
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (n from max_n down
-    to min_n) and propose the tokens that followed it. No model, no KV, no state."""
+    to min_n) and propose the k tokens that followed it; when fewer than k follow it (the match is within
+    the last k tokens: a short cycle), the copy continues over its own output, predicting that the cycle
+    repeats. No model, no KV, no state."""
 
     name = "ngram"
     has_kv = False
@@ -54,7 +56,13 @@ class NgramProposer:
                     break
                 if i % 4 == 0:
                     start = i // 4 + n
-                    return list(tokens[start:start + k])
+                    out = list(tokens[start:start + k])
+                    # a match close to the end (a short cycle) runs out of known tokens: continue the copy
+                    # over its own output (LZ77-style overlap), i.e. predict the cycle repeats
+                    period = n_tok - start
+                    while len(out) < k:
+                        out.append(out[len(out) - period])
+                    return out
                 end = i + len(needle) - 1
         return []
 

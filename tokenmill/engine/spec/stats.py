@@ -35,10 +35,14 @@ class SpecStats:
 class Acceptance:
     """α, the chance that a drafted token is kept, as exponentially decayed counts: per request (decay
     `req_decay` per verification) shrunk toward the proposer's (decay `prop_decay`) with `prior_weight`
-    pseudo-trials; the proposer's starts at 1/2 (Laplace)."""
+    pseudo-trials; the proposer's starts at
+    `prop_prior` (0.6 with the weight of 8 trials)."""
 
-    def __init__(self, req_decay: float = 0.95, prop_decay: float = 0.995, prior_weight: float = 3.0):
+    def __init__(self, req_decay: float = 0.95, prop_decay: float = 0.995, prior_weight: float = 3.0,
+                 prop_prior: tuple[float, float] = (0.6, 8.0)):
         self.req_decay, self.prop_decay, self.prior_weight = req_decay, prop_decay, prior_weight
+        # (α, pseudo-trials): a couple of early rejections must not switch a proposer off before it is measured
+        self.prop_prior = prop_prior
         self.prop = [0.0, 0.0]  # accepted, tried
         self.reqs: dict[str, list[float]] = {}
 
@@ -52,7 +56,16 @@ class Acceptance:
 
     @property
     def proposer_alpha(self) -> float:
-        return (self.prop[0] + 1.0) / (self.prop[1] + 2.0)
+        a, w = self.prop_prior
+        return (self.prop[0] + a * w) / (self.prop[1] + w)
+
+    def alphas(self, request_ids: list[str]) -> tuple[float, ...]:
+        """alpha() of each request (one proposer estimate for all: the policy's snapshot)."""
+        pw = self.prior_weight
+        prior = pw * self.proposer_alpha
+        get = self.reqs.get
+        zero = (0.0, 0.0)
+        return tuple((c[0] + prior) / (c[1] + pw) for c in (get(r, zero) for r in request_ids))
 
     def alpha(self, request_id: str) -> float:
         a, t = self.reqs.get(request_id, (0.0, 0.0))
