@@ -95,6 +95,7 @@ class LlamaModel(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
                                   method=Int8LinearMethod() if self.int8_head else None)
         self.tied_head: "PackedWeight | Linear | None" = None
+        self.fused = None  # the one-call decoder stack for small decode steps (fused_decode.py), set after loading
 
     def process_weights_after_loading(self) -> None:
         """Once the weights are in and on their device: let each linear method repack its weights."""
@@ -138,9 +139,8 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        fused = getattr(self, "fused", None)
-        if fused is not None and fused.applies(x, meta) and positions.dtype == torch.int64:
-            return fused(x, positions, self.rope, kv_caches, meta)
+        if self.fused is not None and self.fused.applies(x, meta) and positions.dtype == torch.int64:
+            return self.fused(x, positions, self.rope, kv_caches, meta)
         for layer, cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, cache, meta)
         return self.norm(x)
