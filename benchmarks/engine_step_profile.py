@@ -7,6 +7,13 @@ Same workload as offline_throughput.py (seed 0, 64 requests, input 32-256, outpu
 ignore_eos, prefix caching off). Ops are timed by wrapping their Python entry points with a wall clock
 (no profiler: its per-op overhead would distort a 2-core machine), so the shares are of wall time; what is
 left of `execute` is the runner's own Python and the small torch ops.
+
+A second table splits the first thread count's run by step kind (decode-only steps by batch size, steps with a
+prefill chunk): per step, the time in the linears (oneDNN, int8 GEMM, the C++ small-row kernels), attention
+(C++ decode attention, KV writes, SDPA), the one-call fused decoder stack (linears and attention inside it are
+not separable from Python), the other C++ ops, the lm_head (`compute_logits`), the runner's metadata (execute
+minus the model), the model's own Python and dispatch (forward minus the timed ops), the sampler, the rest of
+postprocess, and schedule.
 """
 
 from __future__ import annotations
@@ -51,14 +58,48 @@ def main() -> int:
     spent: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
 
+    kind = ["?"]  # the step kind of the step in flight (set by schedule)
+    by_kind: dict[tuple[str, str], float] = collections.defaultdict(float)
+    steps_by_kind: collections.Counter = collections.Counter()
+    tokens_by_kind: collections.Counter = collections.Counter()
+
     def timed(name, fn):
         def wrapper(*a, **k):
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                spent[name] += time.perf_counter() - t
+                dt = time.perf_counter() - t
+                spent[name] += dt
                 calls[name] += 1
+                if not in_head[0]:  # an op inside compute_logits counts in the lm_head column only
+                    by_kind[(kind[0], name)] += dt
+        return wrapper
+
+    in_head = [False]
+
+    def head_scope(fn):
+        def wrapper(*a, **k):
+            in_head[0] = True
+            try:
+                return fn(*a, **k)
+            finally:
+                in_head[0] = False
+        return wrapper
+
+    def schedule_with_kind(fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            sched = fn(*a, **k)
+            dt = time.perf_counter() - t
+            kind[0] = step_kind(sched)
+            spent["schedule"] += dt
+            calls["schedule"] += 1
+            by_kind[(kind[0], "schedule")] += dt
+            if not sched.empty:
+                steps_by_kind[kind[0]] += 1
+                tokens_by_kind[kind[0]] += sum(s.num_logits > 0 for s in sched.seqs)
+            return sched
         return wrapper
 
     ops = []
@@ -73,9 +114,13 @@ def main() -> int:
     F.linear = timed("F.linear", F.linear)
     torch._int_mm = timed("int8 GEMM (torch._int_mm)", torch._int_mm)
     ops += ["SDPA (prefill attention)", "oneDNN linear", "F.linear", "int8 GEMM (torch._int_mm)"]
-    eng.scheduler.schedule = timed("schedule", eng.scheduler.schedule)
+    eng.scheduler.schedule = schedule_with_kind(eng.scheduler.schedule)
     eng.runner.execute = timed("execute", eng.runner.execute)
     eng._postprocess = timed("postprocess", eng._postprocess)
+    model = eng.runner.model
+    model.forward = timed("model forward", model.forward)
+    model.compute_logits = timed("lm_head (compute_logits)", head_scope(model.compute_logits))
+    eng.sampler.sample = timed("sampler", eng.sampler.sample)
 
     lo_in, hi_in = map(int, args.input_len.split(":"))
     lo_out, hi_out = map(int, args.output_len.split(":"))
@@ -86,9 +131,14 @@ def main() -> int:
         torch.set_num_threads(threads)
         spent.clear()
         calls.clear()
+        by_kind.clear()
+        steps_by_kind.clear()
+        tokens_by_kind.clear()
         t0 = time.perf_counter()
         llm.generate(prompts, [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0.0) for o in outs])
         columns.append((time.perf_counter() - t0, dict(spent), dict(calls)))
+        if len(columns) == 1:
+            kinds = (dict(by_kind), dict(steps_by_kind), dict(tokens_by_kind))
 
     from tokenmill.hardware import capabilities
 
@@ -116,7 +166,61 @@ def main() -> int:
             cells.append(f"{sec:.2f} ({sec / wall:.0%}) | " + (f"{1e3 * sec / n:.3f}" if n else ""))
         label = f"execute: {name}" if name in used else name
         print(f"| {label} | " + " | ".join(cells) + " |")
+    print_by_kind(*kinds, used, args.threads[0])
     return 0
+
+
+KIND_ORDER = ["decode-only, batch 1-8", "decode-only, batch 9-32", "decode-only, batch 33-64",
+              "decode-only, batch > 64", "prefill chunk(s) + decodes", "prefill chunk(s) only"]
+
+
+def step_kind(sched) -> str:
+    dec = sum(1 for s in sched.seqs if len(s.token_ids) == 1 and not s.num_spec_slots)
+    if dec < len(sched.seqs):
+        return "prefill chunk(s) + decodes" if dec else "prefill chunk(s) only"
+    for hi, name in ((8, KIND_ORDER[0]), (32, KIND_ORDER[1]), (64, KIND_ORDER[2])):
+        if dec <= hi:
+            return name
+    return KIND_ORDER[3]
+
+
+def op_group(op: str) -> str:
+    if op in ("oneDNN linear", "F.linear", "int8 GEMM (torch._int_mm)") or any(
+            w in op for w in ("linear_small", "quantize_rows", "dequant_rows")):
+        return "linears"
+    if op == "SDPA (prefill attention)" or any(w in op for w in ("paged_decode_attention", "write_kv")):
+        return "attention + KV write"
+    if "decoder_stack" in op:
+        return "fused decoder stack (C++)"
+    return "other C++ (norms, rope, silu)"
+
+
+def print_by_kind(by_kind, steps, tokens, ops, threads) -> None:
+    """Per step kind, ms per step in each part (see the module docstring)."""
+    groups = ["linears", "attention + KV write", "fused decoder stack (C++)", "other C++ (norms, rope, silu)"]
+    cols = ["steps", "sampled tokens", "step ms"] + groups + [
+        "model Python + dispatch", "lm_head", "runner metadata", "sampler", "postprocess rest", "schedule"]
+    print(f"\nBy step kind ({threads} thread(s)), ms per step:\n")
+    print("| step kind | " + " | ".join(cols) + " | share of run |")
+    print("|---|" + "---|" * (len(cols) + 1))
+    total = sum(by_kind.get((k, p), 0.0) for k in KIND_ORDER for p in ("schedule", "execute", "postprocess"))
+    for k in KIND_ORDER:
+        n = steps.get(k, 0)
+        if not n:
+            continue
+        g = {x: 0.0 for x in groups}
+        for op in ops:
+            g[op_group(op)] += by_kind.get((k, op), 0.0)
+        fwd, head = by_kind.get((k, "model forward"), 0.0), by_kind.get((k, "lm_head (compute_logits)"), 0.0)
+        ex, post = by_kind.get((k, "execute"), 0.0), by_kind.get((k, "postprocess"), 0.0)
+        samp, sch = by_kind.get((k, "sampler"), 0.0), by_kind.get((k, "schedule"), 0.0)
+        step = sch + ex + post
+        vals = [n, tokens.get(k, 0), step] + [g[x] for x in groups] + [
+            fwd - sum(g.values()), head, ex - fwd - head, samp, post - samp, sch]
+        cells = [str(vals[0]), str(vals[1])] + [f"{1e3 * v / n:.2f}" for v in vals[2:]]
+        print(f"| {k} | " + " | ".join(cells) + f" | {step / total:.0%} |")
+    print("\n(the lm_head column is compute_logits whole: its linear and the copy to fp32; the op columns are the ops "
+          "inside the model's forward; `model Python + dispatch` is forward minus them)")
 
 
 if __name__ == "__main__":

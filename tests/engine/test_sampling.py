@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.sampler import Sampler, _top_k_top_p
+from tokenmill.engine.sampler import Sampler, _top_k_top_p, greedy_tokens
 from tokenmill.errors import InvalidRequestError
 
 
@@ -19,6 +19,36 @@ def test_top_k_top_p_mask_by_hand():
     assert keep(0, 0.71) == [True, True, True, False, False]
     assert keep(1, 0.9) == [True, False, False, False, False]
     assert keep(0, 1.0) == [True] * 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_equal_torch_argmax_of_fp32(dtype):
+    """The greedy path (C++ argmax_rows on the logits' own dtype) against torch.argmax over an fp32 copy, with ties
+    (the first maximum wins), -inf, a NaN (torch picks the NaN), row lengths off the vector width, a strided view."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(67, 32003, generator=g).to(dtype)
+    x[3, 100] = x[3, 5000] = x[3].max() + 1  # a tie: index 100
+    x[4, -1] = x[4].max() + 1  # the last column (the scalar tail)
+    x[5, :] = float("-inf")  # all -inf: index 0
+    x[6, 77] = float("nan")  # torch.argmax returns the NaN's index
+    x[7, 9] = x[7, 12] = float("nan")
+    x[7, 20000] = x[7].nan_to_num(nan=0).max() + 1
+    for t in (x, x[:, 1:], x[:, :31]):
+        assert greedy_tokens(t) == t.float().argmax(dim=-1).tolist()
+    assert greedy_tokens(x[:0]) == []
+    y = x.clone()
+    y[10, 3] = y[10].nan_to_num(nan=0).max() + 2  # the check above can fail
+    assert greedy_tokens(y) != x.float().argmax(dim=-1).tolist()
+
+
+def test_greedy_sample_skips_the_fp32_copy_only_without_logprobs():
+    s = Sampler(0)
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 1.0, 0.0]], dtype=torch.bfloat16)
+    r = s.sample(logits, [SamplingParams(temperature=0)] * 2, [None] * 2)
+    assert r.token_ids == [1, 0] and r.logprobs == [None, None]
+    r = s.sample(logits, [SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=1)], [None] * 2)
+    assert r.token_ids == [1, 0] and r.logprobs[0] is None
+    assert r.logprobs[1].logprob == pytest.approx(float(torch.log_softmax(logits[1].float(), -1)[0]))
 
 
 def test_sampling_distribution_follows_temperature():

@@ -1,4 +1,4 @@
-"""The fused decoder stack (one C++ call for small decode steps) against the module path it replaces.
+"""The fused decoder stack (one C++ call for decode steps of any size) against the module path it replaces.
 
 The reference is the same engine with `model.fused = None` (every step through the nn.Modules in llama.py). The
 fused path calls the same kernels in the same order, so greedy tokens and their logprobs must be equal (bit for
@@ -17,19 +17,22 @@ from tokenmill.model.fused_decode import FusedDecodeStack
 pytestmark = pytest.mark.skipif(get_kernels() is None, reason="no C++ CPU kernels on this machine")
 
 PROMPTS = [[5, 17, 300, 42, 9, 11], [7, 8, 9], list(range(40, 80)), [1000, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+# 13 sequences: decode steps of more than 8 tokens (oneDNN / int8 GEMM inside the stack), contexts 3..70
+MANY = PROMPTS + [[(31 * i + 7 * j) % 500 + 1 for j in range(3 + 7 * i)] for i in range(9)]
 
 
 class _Counting:
     """Wraps a FusedDecodeStack and counts the steps it ran (so a silent fallback fails the test)."""
 
     def __init__(self, inner: FusedDecodeStack):
-        self.inner, self.calls = inner, 0
+        self.inner, self.calls, self.max_tokens_seen = inner, 0, 0
 
     def applies(self, x, meta):
         return self.inner.applies(x, meta)
 
     def __call__(self, *a):
         self.calls += 1
+        self.max_tokens_seen = max(self.max_tokens_seen, a[0].shape[0])
         return self.inner(*a)
 
 
@@ -52,6 +55,7 @@ def _compare(llm: LLM, prompts, exact: bool):
     ref_tokens, ref_lp = _run(llm, prompts, None)
     model.fused = stack
     assert counting.calls > 0, "no step took the fused path"
+    assert counting.max_tokens_seen >= len(prompts), "a full decode step did not take the fused path"
     assert got_tokens == ref_tokens
     if exact:
         assert torch.equal(got_lp, ref_lp), (got_lp - ref_lp).abs().max()
@@ -66,6 +70,7 @@ def test_fused_decode_equals_the_module_path(tiny_dir, dtype, quant, kv):
     llm = LLM(str(tiny_dir), dtype=dtype, quantization=quant, kv_cache_dtype=kv, kv_cache_bytes="8MiB")
     _compare(llm, PROMPTS[:1], exact=True)  # batch 1
     _compare(llm, PROMPTS, exact=True)  # 4 sequences per step, different context lengths
+    _compare(llm, MANY, exact=True)  # 13 per step: the > 8-row linears (oneDNN, int8 GEMM)
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama3", "tiny-mistral"])
@@ -73,11 +78,13 @@ def test_fused_decode_on_other_architectures(model_dir, preset):
     """qkv bias (qwen2), llama3 rope and tied head, one kv head of 32 dims (mistral)."""
     llm = LLM(str(model_dir(preset)), dtype="bfloat16", kv_cache_bytes="8MiB")
     _compare(llm, PROMPTS, exact=True)
+    _compare(llm, MANY, exact=True)
 
 
 def test_fused_decode_with_qk_norm(model_dir):
     llm = LLM(str(model_dir("tiny-qwen3")), dtype="float32", kv_cache_bytes="8MiB")
     _compare(llm, PROMPTS, exact=False)
+    _compare(llm, MANY, exact=False)
 
 
 def test_fused_decode_runs_speculative_verification_steps():
@@ -94,6 +101,42 @@ def test_a_wrong_fused_stack_is_caught(tiny_dir):
     stack.final_norm = stack.final_norm * 1.01
     with pytest.raises(AssertionError):
         _compare(llm, PROMPTS[:1], exact=True)
+
+
+def test_a_wrong_large_step_linear_is_caught(tiny_dir):
+    """Only the > 8-row path changed (layer 0's o_proj reads a 1%-off packed weight there): the comparison on
+    13 sequences fails, and the same stack on 4 sequences (small-row kernels only) still passes."""
+    from tokenmill.model.fused_decode import LAYER_SLOTS_PY, LIN_SLOTS_PY
+    from tokenmill.model.linear import PackedWeight
+
+    llm = LLM(str(tiny_dir), dtype="float32", kv_cache_bytes="8MiB")
+    model = llm.engine.runner.model
+    stack = model.fused
+    o = model.layers[0].self_attn.o_proj
+    slot = 4 + LIN_SLOTS_PY + 4  # layer 0, o_proj, its oneDNN-packed weight
+    assert LAYER_SLOTS_PY == 4 + 4 * LIN_SLOTS_PY and stack.weights[slot] is o.packed.packed
+    stack.weights[slot] = PackedWeight(o.weight * 1.01).packed
+    _compare(llm, PROMPTS, exact=True)
+    with pytest.raises(AssertionError):
+        _compare(llm, MANY, exact=True)
+
+
+def test_int8_without_an_int8_gemm_keeps_the_stack_to_small_steps(tiny_dir):
+    """Where an int8 linear has no int8 GEMM (no VNNI: the module path computes its big products in fp32) the
+    stack takes at most MAX_TOKENS tokens, and larger steps run the modules."""
+    from tokenmill.model.fused_decode import ANY, MAX_TOKENS
+
+    llm = LLM(str(tiny_dir), dtype="float32", quantization="int8", kv_cache_bytes="8MiB")
+    model = llm.engine.runner.model
+    assert model.fused.max_tokens == ANY
+    model.layers[1].mlp.down_proj.int8_gemm = False
+    model.fused = FusedDecodeStack.build(model)
+    assert model.fused.max_tokens == MAX_TOKENS
+    counting = _Counting(model.fused)
+    _run(llm, MANY, counting)  # 13 sequences decoding together the whole way: every step runs the modules
+    assert counting.calls == 0
+    _run(llm, PROMPTS, counting)
+    assert counting.calls > 0 and counting.max_tokens_seen == len(PROMPTS)
 
 
 def test_fused_decode_off_by_env(monkeypatch, tiny_dir):

@@ -214,7 +214,7 @@ class LLMEngine:
             if spec is not None:
                 spec.propose(sched, self.scheduler.requests, self._gens)
             t0 = time.perf_counter()
-            model_out = self.runner.execute(sched)
+            model_out = self.runner.execute(sched, float_logits=spec is not None)  # the sampler takes bf16 logits
             exec_s = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - fail the batch, not the engine
             log.exception("model execution failed")

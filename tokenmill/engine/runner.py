@@ -60,7 +60,7 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [sum(num_logits), vocab] fp32
+    logits: torch.Tensor  # [sum(num_logits), vocab] fp32 (the model's dtype with execute(float_logits=False))
     logit_offsets: list[int]  # seq i's logits are rows logit_offsets[i] : logit_offsets[i] + seqs[i].num_logits
 
 
@@ -164,7 +164,9 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype)
         return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
 
-    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+    def execute(self, sched: SchedulerOutput, float_logits: bool = True) -> ModelOutput:
+        """Run the step; `float_logits=False` leaves the logits in the model's dtype (the engine's sampler converts
+        what it needs: greedy sampling reads bf16 logits as they are)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -208,5 +210,6 @@ class ModelRunner:
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta)
         if not logits_idx:
             return ModelOutput(torch.empty(0, self.cfg.vocab_size), offsets)
-        logits = self.model.compute_logits(hidden[self._tensor(logits_idx)])
-        return ModelOutput(logits, offsets)
+        if logits_idx != list(range(hidden.shape[0])):  # a pure decode step needs every row, in order: no copy
+            hidden = hidden[self._tensor(logits_idx)]
+        return ModelOutput(self.model.compute_logits(hidden, float32=float_logits), offsets)

@@ -1,12 +1,15 @@
-"""The decoder stack as one C++ call for small decode steps (the per-step fixed cost of batch-1 decode).
+"""The decoder stack as one C++ call for decode steps (the per-step fixed cost: Python and dispatch per layer).
 
-A step of at most `MAX_TOKENS` new tokens that all attend like decodes (one token per sequence, or k speculative
-tokens each with its own context length: `AttentionMetadata` with no spans and every token in
-`decode_token_idx`) runs through `decoder_stack_small` in csrc/paged_decode.cpp: every layer's norms, linears,
-rope, KV write, paged attention and residuals, then the final norm, without returning to Python in between.
-It calls the same kernels the modules in llama.py pick for such a step, in the same order, so its results are
-the same bits (tests/model/test_fused_decode.py checks that against the module path, which stays the reference
-and the fallback for everything else: prefill chunks, larger batches, fp16, CUDA, no compiler).
+A step whose new tokens all attend like decodes (one token per sequence, or k speculative tokens each with its own
+context length: `AttentionMetadata` with no spans and every token in `decode_token_idx`), of any size, runs
+through `decoder_stack` in csrc/paged_decode.cpp: every layer's norms, linears, rope, KV write, paged attention and
+residuals, then the final norm, without returning to Python in between. Linears with at most `MAX_TOKENS` rows
+take the small-row kernels; larger steps take oneDNN's prepacked GEMM or the int8 GEMM (`torch._int_mm` between
+the C++ quantize and dequantize), as the modules do. It calls the same kernels the modules in llama.py pick for
+such a step, in the same order, so its results are the same bits (tests/model/test_fused_decode.py checks that
+against the module path, which stays the reference and the fallback for everything else: prefill chunks, fp16,
+CUDA, no compiler). Where some int8 linear has no int8 GEMM (no VNNI: the module path computes it in fp32
+instead) the stack takes steps of at most `MAX_TOKENS` tokens only (`max_tokens`).
 
 `FusedDecodeStack.build(model)` returns None when some part of the model has no small-batch C++ kernel (then the
 module path runs every step). TOKENMILL_FUSED_DECODE=0 turns the fused path off.
@@ -21,6 +24,8 @@ import torch
 from tokenmill.model.attention import AttentionMetadata, Int8KVCache
 
 MAX_TOKENS = 8  # the small-batch linear kernels' row limit (PackedWeight.SMALL_ROWS, Int8LinearMethod.SMALL_ROWS)
+ANY = 1 << 62  # max_tokens of a stack that runs decode steps of any size
+LIN_SLOTS_PY, LAYER_SLOTS_PY = 6, 4 + 4 * 6  # the weight-list layout of csrc's decoder_stack (LIN_SLOTS, LAYER_SLOTS)
 KIND_FLOAT, KIND_VNNI, KIND_INT8_FLOAT_ACT = 0, 1, 2
 
 
@@ -32,27 +37,30 @@ def enabled_by_env() -> bool:
 
 
 class FusedDecodeStack:
-    """Per-layer tensor lists for `decoder_stack_small`, built once after the weights are loaded."""
+    """Per-layer tensor lists for `decoder_stack`, built once after the weights are loaded."""
 
     def __init__(self, kernels, weights: list[torch.Tensor], kinds: list[int], final_norm: torch.Tensor,
-                 eps: float, nh: int, nkv: int, hd: int, inter: int, scale: float):
+                 eps: float, nh: int, nkv: int, hd: int, inter: int, scale: float, max_tokens: int = MAX_TOKENS):
         self.kernels, self.weights, self.kinds, self.final_norm = kernels, weights, kinds, final_norm
         self.eps, self.nh, self.nkv, self.hd, self.inter, self.scale = eps, nh, nkv, hd, inter, scale
+        self.max_tokens = max_tokens  # the largest step it runs (ANY, or MAX_TOKENS when a linear has no big path)
         self._caches_key: tuple | None = None
         self._caches: list[torch.Tensor] = []
 
     @staticmethod
-    def _linear_slots(lin, kernels) -> tuple[int, list[torch.Tensor]] | None:
-        """(kind, [weight, int8 row sums, int8 scales, bias]) or None when this Linear has no small-row kernel."""
+    def _linear_slots(lin, kernels) -> tuple[int, list[torch.Tensor], bool] | None:
+        """(kind, [weight, int8 row sums, int8 scales, bias, oneDNN-packed weight, int8 weight [K, N]], whether
+        steps of more than MAX_TOKENS rows can run it) or None when this Linear has no small-row kernel."""
         empty = torch.empty(0)
         bias = lin.bias if lin.bias is not None else empty
         if hasattr(lin, "w8"):
+            big = [empty, lin.w8_t] if lin.int8_gemm else [empty, empty]  # no int8 GEMM: modules use fp32 math
             if lin.int8_gemm and lin.in_features % 64 == 0 and kernels.has_vnni_small():
-                return KIND_VNNI, [lin.w8, lin.w8_sum, lin.w_scale, bias]
-            return KIND_INT8_FLOAT_ACT, [lin.w8, empty, lin.w_scale, bias]
+                return KIND_VNNI, [lin.w8, lin.w8_sum, lin.w_scale, bias] + big, lin.int8_gemm
+            return KIND_INT8_FLOAT_ACT, [lin.w8, empty, lin.w_scale, bias] + big, lin.int8_gemm
         if lin.packed is None or lin.packed.small is None:  # the module path runs F.linear / oneDNN here
             return None
-        return KIND_FLOAT, [lin.packed.weight, empty, empty, bias]
+        return KIND_FLOAT, [lin.packed.weight, empty, empty, bias, lin.packed.packed, empty], True
 
     @classmethod
     def build(cls, model) -> "FusedDecodeStack | None":
@@ -62,10 +70,11 @@ class FusedDecodeStack:
             return None
         w0 = model.embed_tokens.weight
         kernels = kernels_for(w0)
-        if kernels is None or not hasattr(kernels, "decoder_stack_small"):
+        if kernels is None or not hasattr(kernels, "decoder_stack"):
             return None
         weights: list[torch.Tensor] = []
         kinds: list[int] = []
+        any_size = True
         empty = torch.empty(0)
         for layer in model.layers:
             att, mlp = layer.self_attn, layer.mlp
@@ -77,15 +86,16 @@ class FusedDecodeStack:
                     return None
                 kinds.append(slots[0])
                 weights.extend(slots[1])
+                any_size &= slots[2]
         att = model.layers[0].self_attn
         return cls(kernels, weights, kinds, model.norm.weight, model.cfg.rms_norm_eps, att.nh, att.nkv, att.hd,
-                   model.layers[0].mlp.inter, att.scale)
+                   model.layers[0].mlp.inter, att.scale, ANY if any_size else MAX_TOKENS)
 
-    @staticmethod
-    def applies(x: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """This step is one the fused path runs: few tokens, all decode-style, x in a dtype the kernels take."""
+    def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """This step is one the fused path runs: all tokens decode-style, at most `max_tokens` of them, x in a
+        dtype the kernels take."""
         t = x.shape[0]
-        return (0 < t <= MAX_TOKENS and not meta.spans and meta.decode_token_idx is not None
+        return (0 < t <= self.max_tokens and not meta.spans and meta.decode_token_idx is not None
                 and meta.decode_token_idx.shape[0] == t and x.is_contiguous())
 
     def _cache_list(self, kv_caches) -> list[torch.Tensor]:
@@ -105,7 +115,7 @@ class FusedDecodeStack:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope, kv_caches, meta: AttentionMetadata):
         """x [T, hidden] (the embeddings; updated in place as the residual stream) -> final normed hidden."""
-        return self.kernels.decoder_stack_small(
+        return self.kernels.decoder_stack(
             x, positions, rope.cos, rope.sin, self.weights, self.kinds, self._cache_list(kv_caches),
             meta.slot_mapping, meta.decode_block_tables, meta.decode_ctx_lens, self.final_norm, self.eps, self.scale,
             meta.sliding_window or 0, self.nh, self.nkv, self.hd, self.inter)

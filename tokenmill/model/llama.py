@@ -95,7 +95,7 @@ class LlamaModel(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
                                   method=Int8LinearMethod() if self.int8_head else None)
         self.tied_head: "PackedWeight | Linear | None" = None
-        self.fused = None  # the one-call decoder stack for small decode steps (fused_decode.py), set after loading
+        self.fused = None  # the one-call decoder stack for decode steps (fused_decode.py), set after loading
 
     def process_weights_after_loading(self) -> None:
         """Once the weights are in and on their device: let each linear method repack its weights."""
@@ -146,10 +146,10 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits [N, vocab], fp32 (or, `float32=False`, in the head's output dtype)."""
         if self.lm_head is None:
-            if self.tied_head is not None:
-                return self.tied_head(hidden).float()
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = self.tied_head(hidden) if self.tied_head is not None else F.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits

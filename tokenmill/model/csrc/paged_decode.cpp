@@ -1150,51 +1150,86 @@ void linear_small_vnni(torch::Tensor out, torch::Tensor x, torch::Tensor w8, tor
   TM_DISPATCH(x, "linear_small_vnni", [&] { linear_small_vnni_impl<scalar_t>(out, x, w8, wsum, sw, bias); });
 }
 
-// ---- the whole decoder stack in one call, for steps of at most 8 new tokens that all attend like decodes ----
-// (one decode token per sequence, or k speculative tokens each with its own context length). It runs exactly
-// the kernels the Python modules pick for such a step, in the same order, so its results are the same bits
-// (tests/model/test_fused_decode.py); what it removes is the Python and dispatch between them (~12 calls per
-// layer). Per layer `w` holds LAYER_SLOTS tensors (an absent one is an empty tensor):
+// The decoder stack in one call for a step whose tokens all attend like decodes (one new token per sequence, or
+// k speculative tokens each with its own context length), any number of them: every layer's RMSNorm, qkv,
+// optional qk-norm, rope, KV write, paged attention, o_proj, residual + RMSNorm, gate_up, silu*mul, down,
+// residual, then the final norm. It calls the kernels the Python modules pick for such a step, in the same order,
+// so its results are the same bits (tests/model/test_fused_decode.py); what it removes is the Python and dispatch
+// between them (~12 calls per layer). Linears with at most 8 rows take the small-row kernels (linear_small,
+// linear_small_vnni, linear_small_int8); with more, oneDNN's prepacked GEMM (mkldnn::_linear_pointwise, what
+// PackedWeight calls) or, int8, quantize_rows + at::_int_mm + dequant_rows (what Int8LinearMethod calls).
+// Per layer `w` holds LAYER_SLOTS tensors (an absent one is an empty tensor):
 //   0 input norm, 1 post-attention norm, 2 q norm, 3 k norm (qk-norm models),
-//   then for qkv, o, gate_up, down (4 slots each, from 4): weight (float [N, K] or int8), int8 row sums,
-//   int8 per-channel scales, bias;
+//   then for qkv, o, gate_up, down (LIN_SLOTS each, from 4): weight (float [N, K] or int8), int8 row sums,
+//   int8 per-channel scales, bias, oneDNN-packed float weight (> 8 rows), int8 weight transposed [K, N] for
+//   _int_mm (> 8 rows);
 // `kinds` per layer and linear: 0 float (linear_small), 1 int8 VNNI (linear_small_vnni), 2 int8 weights with
 // float activations (linear_small_int8); `caches` per layer: K cache, V cache, K scales, V scales (int8 KV).
-static constexpr int64_t LAYER_SLOTS = 20;
+static constexpr int64_t LIN_SLOTS = 6;
+static constexpr int64_t LAYER_SLOTS = 4 + 4 * LIN_SLOTS;
 
 static inline c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
   return t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
-static void small_linear(torch::Tensor out, torch::Tensor x, const std::vector<torch::Tensor>& w, int64_t base,
-                         int64_t kind) {
-  if (kind == 0) linear_small(out, x, w[base], opt(w[base + 3]));
-  else if (kind == 1) linear_small_vnni(out, x, w[base], w[base + 1], w[base + 2], opt(w[base + 3]));
-  else linear_small_int8(out, x, w[base], w[base + 2], opt(w[base + 3]));
+// oneDNN's linear with a weight prepacked by torch.ops.mkldnn._reorder_linear_weight (the op PackedWeight calls)
+static torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack st;
+  st.reserve(6);
+  st.emplace_back(x);
+  st.emplace_back(packed);
+  st.emplace_back(bias.numel() > 0 ? c10::IValue(bias) : c10::IValue());
+  st.emplace_back(std::string("none"));
+  st.emplace_back(c10::List<c10::optional<at::Scalar>>());
+  st.emplace_back(std::string(""));
+  op.callBoxed(&st);
+  return st[0].toTensor();
 }
 
-torch::Tensor decoder_stack_small(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                                  std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
-                                  std::vector<torch::Tensor> caches, torch::Tensor slot_mapping,
-                                  torch::Tensor block_tables, torch::Tensor ctx_lens, torch::Tensor final_norm,
-                                  double eps, double scale, int64_t window, int64_t nh, int64_t nkv, int64_t hd,
-                                  int64_t inter) {
+static torch::Tensor any_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w, int64_t base,
+                                int64_t kind, int64_t n_out) {
+  const int64_t T = x.size(0);
+  const auto& bias = w[base + 3];
+  if (T <= 8) {
+    auto out = at::empty({T, n_out}, x.options());
+    if (kind == 0) linear_small(out, x, w[base], opt(bias));
+    else if (kind == 1) linear_small_vnni(out, x, w[base], w[base + 1], w[base + 2], opt(bias));
+    else linear_small_int8(out, x, w[base], w[base + 2], opt(bias));
+    return out;
+  }
+  if (kind == 0) {
+    TORCH_CHECK(w[base + 4].defined() && w[base + 4].numel() > 0, "decoder_stack: no packed weight for > 8 rows");
+    return onednn_linear(x, w[base + 4], bias);
+  }
+  TORCH_CHECK(w[base + 5].numel() > 0, "decoder_stack: no int8 GEMM weight for > 8 rows");
+  auto q = at::empty({T, x.size(1)}, x.options().dtype(at::kChar));
+  auto sx = at::empty({T}, x.options().dtype(at::kFloat));
+  quantize_rows(q, sx, x);
+  auto out = at::empty({T, n_out}, x.options());
+  dequant_rows(out, at::_int_mm(q, w[base + 5]), sx, w[base + 2], opt(bias));
+  return out;
+}
+
+torch::Tensor decoder_stack(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                            std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
+                            std::vector<torch::Tensor> caches, torch::Tensor slot_mapping,
+                            torch::Tensor block_tables, torch::Tensor ctx_lens, torch::Tensor final_norm,
+                            double eps, double scale, int64_t window, int64_t nh, int64_t nkv, int64_t hd,
+                            int64_t inter) {
   const int64_t T = x.size(0), H = x.size(1), L = (int64_t)kinds.size() / 4;
-  TORCH_CHECK(x.is_contiguous() && T >= 1 && T <= 8, "decoder_stack_small: x [T <= 8, hidden] contiguous");
-  TORCH_CHECK((int64_t)w.size() == L * LAYER_SLOTS && (int64_t)caches.size() == L * 4, "decoder_stack_small: lists");
+  TORCH_CHECK(x.is_contiguous() && T >= 1, "decoder_stack: x [T >= 1, hidden] contiguous");
+  TORCH_CHECK((int64_t)w.size() == L * LAYER_SLOTS && (int64_t)caches.size() == L * 4, "decoder_stack: lists");
   const auto opts = x.options();
   auto h = at::empty({T, H}, opts);
-  auto qkv = at::empty({T, (nh + 2 * nkv) * hd}, opts);
   auto attn = at::empty({T, nh, hd}, opts);
-  auto a_out = at::empty({T, H}, opts);
-  auto gu = at::empty({T, 2 * inter}, opts);
   auto act = at::empty({T, inter}, opts);
-  auto d = at::empty({T, H}, opts);
+  const int64_t qkv_n = (nh + 2 * nkv) * hd;
   for (int64_t l = 0; l < L; ++l) {
     const int64_t b = l * LAYER_SLOTS;
     const int64_t* kd = kinds.data() + l * 4;
     rms_norm(h, x, c10::nullopt, w[b], eps);
-    small_linear(qkv, h, w, b + 4, kd[0]);
+    auto qkv = any_linear(h, w, b + 4, kd[0], qkv_n);
     auto q = qkv.narrow(1, 0, nh * hd).view({T, nh, hd});
     auto k = qkv.narrow(1, nh * hd, nkv * hd).view({T, nkv, hd});
     auto v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({T, nkv, hd});
@@ -1217,16 +1252,73 @@ torch::Tensor decoder_stack_small(torch::Tensor x, torch::Tensor positions, torc
       write_kv(kc, vc, k.to(kc.scalar_type()), v.to(kc.scalar_type()), slot_mapping);
       paged_decode_attention(attn, q, kc, vc, block_tables, ctx_lens, scale, window, c10::nullopt, c10::nullopt);
     }
-    small_linear(a_out, attn.view({T, nh * hd}), w, b + 8, kd[1]);
+    auto a_out = any_linear(attn.view({T, nh * hd}), w, b + 4 + LIN_SLOTS, kd[1], H);
     rms_norm(h, x, a_out, w[b + 1], eps);  // x += attention output, h = norm(x)
-    small_linear(gu, h, w, b + 12, kd[2]);
+    auto gu = any_linear(h, w, b + 4 + 2 * LIN_SLOTS, kd[2], 2 * inter);
     silu_mul(act, gu);
-    small_linear(d, act, w, b + 16, kd[3]);
-    x.add_(d);
+    x.add_(any_linear(act, w, b + 4 + 3 * LIN_SLOTS, kd[3], H));
   }
   auto out = at::empty({T, H}, opts);
   rms_norm(out, x, c10::nullopt, final_norm, eps);
   return out;
+}
+
+torch::Tensor decoder_stack_small(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                                  std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
+                                  std::vector<torch::Tensor> caches, torch::Tensor slot_mapping,
+                                  torch::Tensor block_tables, torch::Tensor ctx_lens, torch::Tensor final_norm,
+                                  double eps, double scale, int64_t window, int64_t nh, int64_t nkv, int64_t hd,
+                                  int64_t inter) {
+  TORCH_CHECK(x.size(0) <= 8, "decoder_stack_small: at most 8 tokens (decoder_stack takes any number)");
+  return decoder_stack(x, positions, cos, sin, w, kinds, caches, slot_mapping, block_tables, ctx_lens, final_norm,
+                       eps, scale, window, nh, nkv, hd, inter);
+}
+
+// The greedy token of each row as torch.argmax picks it: the first index of the row's maximum, or of its first NaN
+// if it has one. Read in the logits' own dtype (bf16 -> fp32 is exact, so the same token as argmax over an fp32
+// copy, without making one): a vectorized max (and NaN check) pass, then a scan for the first index holding it.
+template <typename T>
+static void argmax_rows_impl(torch::Tensor out, torch::Tensor x) {
+  const int64_t M = x.size(0), N = x.size(1), ld = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* r = xp + m * ld;
+      float best = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      int64_t n = 0;
+#ifdef TM_AVX2
+      __m256 vb = _mm256_set1_ps(best), vnan = _mm256_setzero_ps();
+      for (; n + 8 <= N; n += 8) {
+        const __m256 v = load8(r + n);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vb = _mm256_max_ps(vb, v);
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, vb);
+      for (int j = 0; j < 8; ++j) best = std::max(best, lanes[j]);
+      nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+      for (; n < N; ++n) {
+        const float v = to_f(r[n]);
+        if (v != v) nan = true;
+        else best = std::max(best, v);
+      }
+      int64_t bi = 0;
+      for (n = 0; n < N; ++n) {
+        const float v = to_f(r[n]);
+        if (nan ? (v != v) : (v == best)) { bi = n; break; }
+      }
+      op[m] = bi;
+    }
+  });
+}
+
+void argmax_rows(torch::Tensor out, torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.scalar_type() == at::kLong && out.numel() == x.size(0),
+              "argmax_rows: x [M, N] with unit column stride, out [M] int64");
+  TM_DISPATCH(x, "argmax_rows", [&] { argmax_rows_impl<scalar_t>(out, x); });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1244,6 +1336,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_rows", &dequant_rows, "int32 GEMM result -> scaled fp32/bf16 (+ bias)");
   m.def("linear_small_vnni", &linear_small_vnni, "W8A8 y = q(x) W8^T * sx * sw (+ b) for at most 8 rows (AVX-512 VNNI)");
   m.def("decoder_stack_small", &decoder_stack_small, "all decoder layers + final norm for <= 8 decode tokens (CPU)");
+  m.def("decoder_stack", &decoder_stack, "all decoder layers + final norm for any number of decode tokens (CPU)");
+  m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum (CPU, fp32/bf16)");
   m.def("has_vnni_small", &has_vnni_small, "whether linear_small_vnni is compiled in");
   m.def("linear_small_int8", &linear_small_int8, "y = x W8^T * sw (+ b) for at most 8 rows (CPU)");
 }
