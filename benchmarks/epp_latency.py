@@ -43,7 +43,7 @@ from routing_common import wait_http  # noqa: E402
 
 PY = sys.executable
 PICKERS = ("picker", "picker-uvloop", "baseline")
-SERVERS = (*PICKERS, "echo-aio", "echo-aio-uvloop", "echo-aio-rw", "echo-aio-opts", "echo-aio-x2", "echo-sync")
+SERVERS = (*PICKERS, "echo-h2", "echo-aio", "echo-aio-uvloop", "echo-aio-rw", "echo-aio-opts", "echo-aio-x2", "echo-sync")
 # the ext_proc message patterns a gateway can be configured for (processing_mode), per request:
 #   full          request headers + body (FULL_DUPLEX_STREAMED), response headers, every response body chunk
 #                 (FULL_DUPLEX_STREAMED: each one echoed back), end of stream: what the inference gateways
@@ -146,6 +146,22 @@ def echo_server(kind: str, port: int, endpoints: list[str]) -> None:
         def Process(self, request_iterator, context):
             for req in request_iterator:
                 yield from answer(req)
+
+    if kind == "h2":  # the same answers through tokenmill's own HTTP/2 gRPC transport (router/grpc_h2.py)
+        from tokenmill.router.grpc_h2 import GrpcH2Server, Method
+
+        async def process(call):
+            while (data := await call.read()) is not None:
+                for r in answer(pb.ProcessingRequest.FromString(data)):
+                    await call.write(r.SerializeToString())
+
+        async def main_h2():
+            server = GrpcH2Server({"/envoy.service.ext_proc.v3.ExternalProcessor/Process": Method("stream", process)})
+            await server.start("127.0.0.1", port)
+            await asyncio.Event().wait()
+
+        asyncio.run(main_h2())
+        return
 
     if kind == "sync":
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=256))
