@@ -139,10 +139,11 @@ class GrpcH2Protocol(asyncio.Protocol):
         self.server.connections.add(self)
         self.h2.local_settings = h2.settings.Settings(client=False, initial_values={
             h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_CONCURRENT_STREAMS,
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: self.server.window,
             h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 1 << 16})
         self.h2.initiate_connection()
-        self.h2.increment_flow_control_window(WINDOW - 65535)
+        if self.server.window > 65535:
+            self.h2.increment_flow_control_window(self.server.window - 65535)
         self.flush()
 
     def flush(self) -> None:
@@ -366,8 +367,11 @@ def _percent_encode(message: str) -> bytes:
 class GrpcH2Server:
     """Serves `methods` ({"/pkg.Service/Method": Method}) on host:port with the running loop."""
 
-    def __init__(self, methods: dict[str, Method]):
+    def __init__(self, methods: dict[str, Method], window: int = WINDOW):
+        if not 1 <= window < 2**31:
+            raise ValueError(f"the HTTP/2 window must be in 1..2^31-1, got {window}")
         self.methods = methods
+        self.window = window  # inbound, per stream and per connection
         self.connections: set[GrpcH2Protocol] = set()
         self.server: asyncio.base_events.Server | None = None
 
@@ -375,6 +379,11 @@ class GrpcH2Server:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(lambda: GrpcH2Protocol(self), host, port, reuse_address=True)
         return self.server.sockets[0].getsockname()[1]
+
+    async def start_on(self, sock) -> None:
+        """Serve on a socket already bound and listening."""
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_server(lambda: GrpcH2Protocol(self), sock=sock)
 
     async def stop(self, grace_s: float) -> None:
         """Stop listening, GOAWAY every connection, wait up to grace_s for the calls in flight, then close."""
