@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_common import wait_http  # noqa: E402
 
 PY = sys.executable
-PICKERS = ("picker", "picker-uvloop", "baseline")
+PICKERS = ("picker", "picker-uvloop", "picker-h2", "picker-h2-uvloop", "baseline")
 SERVERS = (*PICKERS, "echo-h2", "echo-aio", "echo-aio-uvloop", "echo-aio-rw", "echo-aio-opts", "echo-aio-x2", "echo-sync")
 # the ext_proc message patterns a gateway can be configured for (processing_mode), per request:
 #   full          request headers + body (FULL_DUPLEX_STREAMED), response headers, every response body chunk
@@ -631,8 +631,9 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
     if server in PICKERS:
         cmd = [PY, "-m", "tokenmill", "route", "--port", str(hport), "--epp-port", str(eport),
                "--admission", mode, "--log-level", "warning"]
-        if server != "baseline":  # (the baseline predates --event-loop: asyncio)
-            cmd += ["--event-loop", "uvloop" if server.endswith("-uvloop") else "asyncio"]
+        if server != "baseline":  # (the baseline predates --event-loop: asyncio, and --epp-transport: grpcio)
+            cmd += ["--event-loop", "uvloop" if server.endswith("-uvloop") else "asyncio",
+                    "--epp-transport", "h2" if server.startswith("picker-h2") else "grpcio"]
         for p in ports:
             cmd += ["--worker", f"tokenmill=http://127.0.0.1:{p}"]
     else:
@@ -706,27 +707,32 @@ def verify_client(n: int, ports: list[int], args) -> int:
     seen = {}
     try:
         wait_http(f"http://127.0.0.1:{ports[0]}/health")
-        for client in ("grpc", "raw"):
-            hport, eport = free_port(), free_port()
-            cmd = [PY, "-m", "tokenmill", "route", "--port", str(hport), "--epp-port", str(eport), "--admission",
-                   "off", "--log-level", "warning", "--event-loop", "asyncio"]
-            for p in ports:
-                cmd += ["--worker", f"tokenmill=http://127.0.0.1:{p}"]
-            proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL)
-            try:
-                wait_http(f"http://127.0.0.1:{hport}/health")
-                wait_grpc(eport)
-                seen[client] = asyncio.run(sequential_picks(eport, n, client))
-            finally:
-                proc.terminate()
-                proc.wait(40)
+        for transport in ("grpcio", "h2"):
+            for client in ("grpc", "raw"):
+                hport, eport = free_port(), free_port()
+                cmd = [PY, "-m", "tokenmill", "route", "--port", str(hport), "--epp-port", str(eport), "--admission",
+                       "off", "--log-level", "warning", "--event-loop", "asyncio", "--epp-transport", transport]
+                for p in ports:
+                    cmd += ["--worker", f"tokenmill=http://127.0.0.1:{p}"]
+                proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL)
+                try:
+                    wait_http(f"http://127.0.0.1:{hport}/health")
+                    wait_grpc(eport)
+                    seen[transport, client] = asyncio.run(sequential_picks(eport, n, client))
+                finally:
+                    proc.terminate()
+                    proc.wait(40)
     finally:
         stubs.terminate()
         stubs.wait(10)
-    same = sum(a == b for a, b in zip(seen["grpc"], seen["raw"]))
-    print(f"# verify: {n} sequential requests, {len(set(seen['grpc']))} endpoints used; raw client picks equal to "
-          f"the grpc client's: {same}/{n}")
-    return 0 if same == n else 1
+    ref = seen["grpcio", "grpc"]
+    ok = True
+    for key, picks in seen.items():
+        same = sum(a == b for a, b in zip(ref, picks))
+        ok &= same == n
+        print(f"# verify: picker on {key[0]}, {key[1]} client: {n} sequential requests (streams kept open), "
+              f"{len(set(picks))} endpoints used; picks equal to grpcio picker + grpc client: {same}/{n}")
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:

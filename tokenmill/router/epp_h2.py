@@ -68,13 +68,6 @@ class H2EppServer:
     `port` is known, and a port in use fails at once, as grpc.aio's add_insecure_port does)."""
 
     def __init__(self, router: Router, host: str, port: int):
-        self.router = router
-        self.metrics = EppMetrics(router.metrics.registry)
-        self.wire = _Wire()
-        self.status: dict[str, int] = {}
-        self.watchers: set[asyncio.Event] = set()
-        self.server = GrpcH2Server({PROCESS: Method("stream", self.process), HEALTH_CHECK: Method("unary", self.check),
-                                    HEALTH_WATCH: Method("stream", self.watch)})
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -86,6 +79,13 @@ class H2EppServer:
         self.sock.listen(1024)
         self.sock.setblocking(False)
         self.port = self.sock.getsockname()[1]
+        self.router = router
+        self.metrics = EppMetrics(router.metrics.registry)
+        self.wire = _Wire()
+        self.status: dict[str, int] = {}
+        self.watchers: set[asyncio.Event] = set()
+        self.server = GrpcH2Server({PROCESS: Method("stream", self.process), HEALTH_CHECK: Method("unary", self.check),
+                                    HEALTH_WATCH: Method("stream", self.watch)})
 
     async def start(self, ready: bool) -> None:
         await self.set_health("liveness", SERVING)

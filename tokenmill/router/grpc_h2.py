@@ -6,7 +6,8 @@ event loop's own socket I/O.
 What it implements (gRPC over HTTP/2, cleartext, "h2c prior knowledge", as Envoy's ext_proc and health
 clients speak it):
 * HTTP/2 by `h2`: the preface, SETTINGS, HPACK (Huffman, dynamic table), flow control both ways
-  (inbound: every DATA byte acknowledged once the handler's reader has taken it; outbound: a message waits
+  (inbound: DATA acknowledged as it arrives while the handler keeps up, held back while whole messages
+  wait unread, so a slow handler holds the client back by at most a window per stream; outbound: a message waits
   for the peer's WINDOW_UPDATE), PING, RST_STREAM, GOAWAY, CONTINUATION;
 * gRPC framing: 5-byte length-prefixed messages (compressed ones refused: grpc-status UNIMPLEMENTED, as no
   `grpc-encoding` is advertised), response headers, trailers with `grpc-status` / `grpc-message`,
@@ -39,7 +40,8 @@ log = logging.getLogger("tokenmill.router.grpc_h2")
 
 OK, CANCELLED, UNKNOWN, INTERNAL, UNIMPLEMENTED, UNAVAILABLE = 0, 1, 2, 13, 12, 14
 MAX_CONCURRENT_STREAMS = 1 << 20  # gRPC's own servers set no limit; the router's max_in_flight is the real one
-WINDOW = 1 << 24  # per stream and per connection, inbound: a request body is never held back by us
+WINDOW = 1 << 24
+GOAWAY_FRAME = 0x7  # per stream and per connection, inbound: a request body is never held back by us
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,8 @@ class Call:
             finally:
                 self.waiter = None
         msg = self.messages.popleft()
-        self.conn.consumed(self, 5 + len(msg))
+        if not self.messages:  # the handler has caught up: the window held back goes back to the client
+            self.conn.consumed(self)
         return msg
 
     async def write(self, message: bytes) -> None:
@@ -110,6 +113,8 @@ class Call:
                 raise _Refuse(UNIMPLEMENTED, "compressed messages are not supported (no grpc-encoding)")
             self.messages.append(bytes(buf[5:5 + n]))
             del buf[:5 + n]
+        if not self.messages:  # only part of a message: take more (a message may be larger than the window)
+            self.conn.consumed(self)
         self._wake()
 
 
@@ -299,10 +304,11 @@ class GrpcH2Protocol(asyncio.Protocol):
         if fut is not None and not fut.done():
             fut.set_result(None)
 
-    def consumed(self, call: Call, n: int) -> None:
-        """The handler took n bytes of messages: give that window back to the client."""
-        n = min(n, call.unacked)
-        call.unacked -= n
+    def consumed(self, call: Call) -> None:
+        """Give the client back the window of every byte received on this call so far. Called when no whole
+        message waits unread: while the handler lags behind (messages queued), the window stays spent and
+        the client is held back (at most one window per stream is buffered here)."""
+        n, call.unacked = call.unacked, 0
         if n and not call.closed:
             try:
                 self.h2.acknowledge_received_data(n, call.sid)
@@ -354,8 +360,13 @@ class GrpcH2Protocol(asyncio.Protocol):
         if self.closing or self.transport is None:
             return
         self.closing = True
-        self.h2.close_connection(error_code=h2.errors.ErrorCodes.NO_ERROR)
-        self.flush()
+        # written beside h2, not through close_connection(): h2's state machine takes a GOAWAY sent as the
+        # end of the connection and would refuse the frames of the streams still in flight
+        self._flush()
+        last = self.h2.highest_inbound_stream_id
+        self.transport.write(struct.pack(">I", 8)[1:] + bytes((GOAWAY_FRAME, 0)) + struct.pack(">III", 0, last, 0))
+        if not self.calls:
+            self.transport.close()
 
 
 def _percent_encode(message: str) -> bytes:
