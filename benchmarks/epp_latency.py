@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_common import wait_http  # noqa: E402
 
 PY = sys.executable
-PICKERS = ("picker", "picker-uvloop", "baseline")
-SERVERS = (*PICKERS, "echo-aio", "echo-aio-uvloop", "echo-aio-rw", "echo-aio-opts", "echo-aio-x2", "echo-sync")
+PICKERS = ("picker", "picker-uvloop", "picker-h2", "picker-h2-uvloop", "baseline")
+SERVERS = (*PICKERS, "echo-h2", "echo-aio", "echo-aio-uvloop", "echo-aio-rw", "echo-aio-opts", "echo-aio-x2", "echo-sync")
 # the ext_proc message patterns a gateway can be configured for (processing_mode), per request:
 #   full          request headers + body (FULL_DUPLEX_STREAMED), response headers, every response body chunk
 #                 (FULL_DUPLEX_STREAMED: each one echoed back), end of stream: what the inference gateways
@@ -52,6 +52,7 @@ SERVERS = (*PICKERS, "echo-aio", "echo-aio-uvloop", "echo-aio-rw", "echo-aio-opt
 #                 picker needs (the pick, the served endpoint, the status; the stream's end closes the gRPC call)
 PATTERNS = ("full", "resp-headers")
 PLACEMENTS = ("shared", "pinned")
+CLIENTS = ("grpc", "raw")
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
@@ -145,6 +146,22 @@ def echo_server(kind: str, port: int, endpoints: list[str]) -> None:
         def Process(self, request_iterator, context):
             for req in request_iterator:
                 yield from answer(req)
+
+    if kind == "h2":  # the same answers through tokenmill's own HTTP/2 gRPC transport (router/grpc_h2.py)
+        from tokenmill.router.grpc_h2 import GrpcH2Server, Method
+
+        async def process(call):
+            while (data := await call.read()) is not None:
+                for r in answer(pb.ProcessingRequest.FromString(data)):
+                    await call.write(r.SerializeToString())
+
+        async def main_h2():
+            server = GrpcH2Server({"/envoy.service.ext_proc.v3.ExternalProcessor/Process": Method("stream", process)})
+            await server.start("127.0.0.1", port)
+            await asyncio.Event().wait()
+
+        asyncio.run(main_h2())
+        return
 
     if kind == "sync":
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=256))
@@ -276,6 +293,163 @@ async def drive(epp_port: int, rate: float, duration_s: float, ttft_s: float, de
         await c.close()
     return {"lat": lat, "lags": lags, "outcomes": outcomes, "picks": picks, "wall_s": time.perf_counter() - start,
             "client_cpu_s": time.process_time() - cpu0, "starts": starts}
+
+
+async def drive_raw(epp_port: int, rate: float, duration_s: float, ttft_s: float, decode_s: float, seed: int,
+                    response_body: bool = True, n_channels: int = 1, chunks: int = 2) -> dict:
+    """`drive` with the raw HTTP/2 client (grpc_raw_client.py): the same streams, messages, schedule and
+    measurement points, every request message serialized once (but the body, per request), answers parsed only
+    as far as the first one (the pick or the ImmediateResponse)."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from grpc_raw_client import CallError, RawGrpcConnection
+
+    mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    rng = random.Random(seed)
+    systems = [f"System prompt {k}: you are assistant number {k}. " * 32 for k in range(8)]
+    headers = pb.ProcessingRequest(
+        request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+            base_pb2.HeaderValue(key=k, raw_value=v) for k, v in
+            ((":method", b"POST"), (":path", b"/v1/completions"), ("content-type", b"application/json"))])),
+        protocol_config=pb.ProtocolConfiguration(
+            request_body_mode=mode,
+            response_body_mode=mode if response_body else processing_mode_pb2.ProcessingMode.NONE)).SerializeToString()
+    resp_headers = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":status", raw_value=b"200")]))).SerializeToString()
+    first_chunk = pb.ProcessingRequest(
+        response_body=pb.HttpBody(body=b'data: {"choices":[{"text":"x"}]}\n\n')).SerializeToString()
+    gap_s = decode_s / max(1, chunks - 1)
+    last_chunk = pb.ProcessingRequest(
+        response_body=pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True)).SerializeToString()
+    lat, lags, outcomes, picks, starts = [], [], {}, {}, []
+    conns = [await RawGrpcConnection.connect("127.0.0.1", epp_port, "/envoy.service.ext_proc.v3.ExternalProcessor/Process")
+             for _ in range(n_channels)]
+
+    async def one(i: int, due: float):
+        body = json.dumps({"prompt": rng.choice(systems) + f"question {i}: {rng.random()}", "max_tokens": 32,
+                           "stream": True}).encode()
+        body_msg = pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)).SerializeToString()
+        lags.append(time.perf_counter() - due)
+        t = time.perf_counter()
+        call = conns[i % n_channels].open()
+        call.write(headers)
+        call.write(body_msg)
+        first = pb.ProcessingResponse.FromString(await call.read())
+        lat.append(time.perf_counter() - t)
+        starts.append(t - start)
+        if first.HasField("immediate_response"):
+            code = first.immediate_response.status.code
+            outcomes[code] = outcomes.get(code, 0) + 1
+            call.cancel()
+            return
+        ep = first.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"].string_value
+        picks[ep] = picks.get(ep, 0) + 1
+        outcomes[200] = outcomes.get(200, 0) + 1
+        await call.read()  # the body, passed back
+        await asyncio.sleep(ttft_s)
+        for msg in (resp_headers, first_chunk) if response_body else (resp_headers,):
+            call.write(msg)
+            await call.read()
+        if not response_body:
+            await asyncio.sleep(decode_s)
+        else:
+            for _ in range(chunks - 2):
+                await asyncio.sleep(gap_s)
+                call.write(first_chunk)
+                await call.read()
+            await asyncio.sleep(gap_s)
+            call.write(last_chunk)
+            await call.read()
+        call.done_writing()
+        if await call.read() is not None:  # the server's trailers (grpc-status 0) end the call
+            raise CallError("a message after the end of the exchange")
+
+    n = int(rate * duration_s)
+    gc.collect()
+    gc.disable()
+    cpu0 = time.process_time()
+    start = time.perf_counter() + 0.2
+    tasks = []
+    for i in range(n):
+        due = start + i / rate
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, due)))
+    try:
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        gc.enable()
+    for e in results:
+        if isinstance(e, CallError):
+            key = f"error {str(e)[:40]}"
+            outcomes[key] = outcomes.get(key, 0) + 1
+        elif isinstance(e, BaseException):
+            raise e
+    for c in conns:
+        c.close()
+    return {"lat": lat, "lags": lags, "outcomes": outcomes, "picks": picks, "wall_s": time.perf_counter() - start,
+            "client_cpu_s": time.process_time() - cpu0, "starts": starts}
+
+
+async def sequential_picks(epp_port: int, n: int, client: str) -> list[str]:
+    """n requests one after another (each finished before the next), the endpoint picked for each: the same
+    traffic through either client must give the same picks from a fresh picker."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    systems = [f"System prompt {k}: you are assistant number {k}. " * 32 for k in range(8)]
+    out = []
+    if client == "raw":
+        from grpc_raw_client import RawGrpcConnection
+
+        conn = await RawGrpcConnection.connect("127.0.0.1", epp_port, "/envoy.service.ext_proc.v3.ExternalProcessor/Process")
+    else:
+        import grpc
+        from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{epp_port}")
+        stub = pb_grpc.ExternalProcessorStub(channel)
+    headers = pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=k, raw_value=v) for k, v in
+        ((":method", b"POST"), (":path", b"/v1/completions"), ("content-type", b"application/json"))])),
+        protocol_config=pb.ProtocolConfiguration(request_body_mode=4, response_body_mode=4))  # FULL_DUPLEX_STREAMED
+    open_calls = []
+    for i in range(n):  # every stream kept open (its load stays on its endpoint) until all are picked
+        body = pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps(
+            {"prompt": systems[(i * 5) % 8] + f"q{i}", "max_tokens": 8 + i % 50, "stream": True}).encode(),
+            end_of_stream=True))
+        if client == "raw":
+            call = conn.open()
+            call.write(headers.SerializeToString())
+            call.write(body.SerializeToString())
+            first = pb.ProcessingResponse.FromString(await call.read())
+            if first.HasField("dynamic_metadata"):
+                await call.read()
+        else:
+            call = stub.Process()
+            await call.write(headers)
+            await call.write(body)
+            first = await call.read()
+            if first.HasField("dynamic_metadata"):
+                await call.read()
+        open_calls.append(call)
+        out.append(first.dynamic_metadata.fields["envoy.lb"].struct_value.fields[
+            "x-gateway-destination-endpoint"].string_value if first.HasField("dynamic_metadata") else
+            f"status {first.immediate_response.status.code}")
+    for call in open_calls:
+        if client == "raw":
+            call.done_writing()
+            assert await call.read() is None
+        else:
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF
+    if client == "raw":
+        conn.close()
+    else:
+        await channel.close()
+    return out
 
 
 def scrape(url: str) -> dict:
@@ -445,7 +619,7 @@ def set_affinity(pid: int, cpus: set[int]) -> None:
 
 
 def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, pattern: str = "full",
-            placement: str = "shared") -> tuple:
+            placement: str = "shared", client: str = "grpc") -> tuple:
     """One row: start the server (the picker CLI, or an echo floor), drive it, stop it. `placement` pinned:
     the server alone on core 1 (a picker pod with a CPU of its own), this client and the stub workers on core 0
     (the gateway elsewhere); shared: every process on every core."""
@@ -457,8 +631,9 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
     if server in PICKERS:
         cmd = [PY, "-m", "tokenmill", "route", "--port", str(hport), "--epp-port", str(eport),
                "--admission", mode, "--log-level", "warning"]
-        if server != "baseline":  # (the baseline predates --event-loop: asyncio)
-            cmd += ["--event-loop", "uvloop" if server.endswith("-uvloop") else "asyncio"]
+        if server != "baseline":  # (the baseline predates --event-loop: asyncio, and --epp-transport: grpcio)
+            cmd += ["--event-loop", "uvloop" if server.endswith("-uvloop") else "asyncio",
+                    "--epp-transport", "h2" if server.startswith("picker-h2") else "grpcio"]
         for p in ports:
             cmd += ["--worker", f"tokenmill=http://127.0.0.1:{p}"]
     else:
@@ -492,7 +667,7 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
         busy0, stubs0, client0, wall0 = machine_busy_s(), router_cpu_s(stubs_pid), time.process_time(), time.perf_counter()
         tcp0 = tcp_counters()
         m0 = scrape(f"http://127.0.0.1:{hport}/metrics") if server in PICKERS else None
-        r = client_loop(args.client_loop)(drive(eport, args.rate, args.duration, args.ttft_ms / 1e3,
+        r = client_loop(args.client_loop)((drive_raw if client == "raw" else drive)(eport, args.rate, args.duration, args.ttft_ms / 1e3,
                                                 args.decode_ms / 1e3, 0, pattern == "full", args.channels, args.chunks))
         cpu = sum(router_cpu_s(pid) for pid in pids) - cpu0
         loop_busy = (router_cpu_s(pids[0], pids[0]) - loop0) / (time.perf_counter() - wall0) * len(pids)
@@ -516,13 +691,48 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
         Path(args.trace, f"{time.strftime('%H%M%S')}-{server}-{mode}.json").write_text(json.dumps(
             {"starts": r["starts"], "lat_ms": lat, "held": m1["held"] - m0["held"] if m0 else None}))
     label = f"{server} (admission {mode})" if server in PICKERS else server
-    label = f"{placement}, {pattern}, {label}"
+    label = f"{placement}, {pattern}, {client} client, {label}"
     return (label, len(lat) / r["wall_s"], statistics.median(lat), pct(lat, 0.9), pct(lat, 0.99), max(lat),
             pct(r["lags"], 0.99) * 1e3, cpu / len(lat) * 1e3, r["client_cpu_s"] / len(lat) * 1e3, r["outcomes"],
             len(r["picks"]), shares(m0, m1) if m0 else None,
             (m1["gc_n"] - m0["gc_n"], (m1["gc_s"] - m0["gc_s"]) * 1e3, m1["gc_long"] - m0["gc_long"]) if m0 else None,
             m1["held"] - m0["held"] if m0 else None, others, tcp, loop_busy,
             e2e_quantiles(m0, m1) if m0 and "e2e" in m1 else None)
+
+
+def verify_client(n: int, ports: list[int], args) -> int:
+    """The same n sequential requests through each client to a fresh picker (admission off, asyncio): the raw
+    client must see the picks the grpc client sees."""
+    stubs = subprocess.Popen([PY, __file__, "--stub-workers", ",".join(map(str, ports))], env=ENV)
+    seen = {}
+    try:
+        wait_http(f"http://127.0.0.1:{ports[0]}/health")
+        for transport in ("grpcio", "h2"):
+            for client in ("grpc", "raw"):
+                hport, eport = free_port(), free_port()
+                cmd = [PY, "-m", "tokenmill", "route", "--port", str(hport), "--epp-port", str(eport), "--admission",
+                       "off", "--log-level", "warning", "--event-loop", "asyncio", "--epp-transport", transport]
+                for p in ports:
+                    cmd += ["--worker", f"tokenmill=http://127.0.0.1:{p}"]
+                proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL)
+                try:
+                    wait_http(f"http://127.0.0.1:{hport}/health")
+                    wait_grpc(eport)
+                    seen[transport, client] = asyncio.run(sequential_picks(eport, n, client))
+                finally:
+                    proc.terminate()
+                    proc.wait(40)
+    finally:
+        stubs.terminate()
+        stubs.wait(10)
+    ref = seen["grpcio", "grpc"]
+    ok = True
+    for key, picks in seen.items():
+        same = sum(a == b for a, b in zip(ref, picks))
+        ok &= same == n
+        print(f"# verify: picker on {key[0]}, {key[1]} client: {n} sequential requests (streams kept open), "
+              f"{len(set(picks))} endpoints used; picks equal to grpcio picker + grpc client: {same}/{n}")
+    return 0 if ok else 1
 
 
 def main(argv=None) -> int:
@@ -541,6 +751,10 @@ def main(argv=None) -> int:
                     "(default shared): pinned = server alone on core 1, client and stub workers on core 0")
     ap.add_argument("--client-loop", default="asyncio", choices=("asyncio", "uvloop"), help="the client's event "
                     "loop (default %(default)s)")
+    ap.add_argument("--client", action="append", choices=CLIENTS, help="load clients to run, in order (default "
+                    "grpc): grpc = grpc.aio (what the tests use), raw = raw HTTP/2 frames (grpc_raw_client.py, needs h2)")
+    ap.add_argument("--verify-client", type=int, metavar="N", help="check the raw client against the grpc one: N "
+                    "requests one after another to a fresh picker through each; the picks must be the same")
     ap.add_argument("--channels", type=int, default=1, help="gRPC connections the client spreads streams over")
     ap.add_argument("--ttft-ms", type=float, default=30.0)
     ap.add_argument("--decode-ms", type=float, default=300.0)
@@ -585,6 +799,8 @@ def main(argv=None) -> int:
           f"the full pattern), {os.cpu_count()} cores, {args.channels} client connection(s), client loop "
           f"{args.client_loop}", flush=True)
     ports = [free_port() for _ in range(args.workers)]
+    if args.verify_client:
+        return verify_client(args.verify_client, ports, args)
     stubs = subprocess.Popen([PY, __file__, "--stub-workers", ",".join(map(str, ports))], env=ENV)
     rows = []
     try:
@@ -593,8 +809,9 @@ def main(argv=None) -> int:
             for pattern in patterns:
                 for server in args.server or ["picker"]:
                     for mode in (args.admission or ["off", "leading"]) if server in PICKERS else ["-"]:
-                        rows.append(run_one(server, mode, ports, args, stubs.pid, pattern, placement))
-                        print("# row:", rows[-1][:9], rows[-1][9], rows[-1][-1], flush=True)
+                        for client in args.client or ["grpc"]:
+                            rows.append(run_one(server, mode, ports, args, stubs.pid, pattern, placement, client))
+                            print("# row:", rows[-1][:9], rows[-1][9], rows[-1][-1], flush=True)
     finally:
         stubs.terminate()
         stubs.wait(10)

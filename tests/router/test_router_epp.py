@@ -26,6 +26,19 @@ BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 ENDPOINTS = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
 
 
+TRANSPORT = "grpcio"
+
+
+@pytest.fixture(autouse=True, params=["grpcio", "h2"])
+def transport(request):
+    """Every test against both EPP transports (grpc.aio, and tokenmill's own HTTP/2 server): the client is
+    grpc.aio either way, an independent implementation that checks the h2 server's framing."""
+    global TRANSPORT
+    TRANSPORT = request.param
+    yield request.param
+    TRANSPORT = "grpcio"
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -93,7 +106,8 @@ def picked(resp: pb.ProcessingResponse) -> str:
 
 
 async def with_epp(router, fn):
-    server = EppServer(router, "127.0.0.1", 0)
+    server = EppServer(router, "127.0.0.1", 0, TRANSPORT)
+    assert type(server).__name__ == {"grpcio": "GrpcioEppServer", "h2": "H2EppServer"}[TRANSPORT]
     await server.start(ready=True)
     envoy = Envoy(server.port)
     try:
@@ -257,7 +271,7 @@ def test_the_epp_and_the_proxy_refuse_the_same_bad_requests_with_the_same_messag
         import aiohttp
 
         async with routed([FakeWorker()]) as (url, router), aiohttp.ClientSession() as s:
-            server = EppServer(router, "127.0.0.1", 0)
+            server = EppServer(router, "127.0.0.1", 0, TRANSPORT)
             await server.start(ready=True)
             envoy = Envoy(server.port)
             try:
@@ -438,6 +452,7 @@ def test_tokenmill_route_cli_serves_the_epp_beside_http_and_discovers_workers_by
             wport, hport, eport = int(wurl.rsplit(":", 1)[1]), free_port(), free_port()
             proc = subprocess.Popen([sys.executable, "-m", "tokenmill", "route", "--worker-dns", f"localhost:{wport}",
                                      "--dns-interval", "0.5", "--port", str(hport), "--epp-port", str(eport),
+                                     "--epp-transport", TRANSPORT,
                                      "--log-level", "warning"], env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             try:
@@ -468,7 +483,7 @@ def test_tokenmill_route_cli_serves_the_epp_beside_http_and_discovers_workers_by
             finally:
                 proc.terminate()
                 out = proc.communicate(timeout=20)[0].decode()
-            assert f"epp=grpc://127.0.0.1:{eport}" in out and f"dns:localhost:{wport}" in out
+            assert f"epp=grpc://127.0.0.1:{eport} ({TRANSPORT})" in out and f"dns:localhost:{wport}" in out
     run(main())
 
 

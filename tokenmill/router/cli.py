@@ -29,6 +29,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dns-interval", type=float, metavar="SECONDS", help="re-resolve --worker-dns this often (default 5)")
     p.add_argument("--epp-port", type=int, metavar="PORT",
                    help="also serve Envoy ext_proc (a Gateway API Inference Extension endpoint picker) on this port")
+    p.add_argument("--epp-transport", choices=("h2", "grpcio"), help="the EPP's gRPC server: h2 (tokenmill's own "
+                   "HTTP/2 server on h2, the default: about half the CPU per request) or grpcio (grpc.aio)")
     p.add_argument("--policy", choices=sorted(POLICIES), help="routing policy (default prefix-load)")
     p.add_argument("--admission", choices=MODES, help="admission control (default leading)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
@@ -61,6 +63,8 @@ def build_config(args: argparse.Namespace):
             changes["dns_interval_s"] = args.dns_interval
         if getattr(args, "epp_port", None) is not None:
             changes["epp_port"] = args.epp_port
+        if getattr(args, "epp_transport", None) is not None:
+            changes["epp_transport"] = args.epp_transport
         if args.admission:
             changes["admission"] = dataclasses.replace(cfg.admission, mode=args.admission)
         cfg = dataclasses.replace(cfg, **changes)
@@ -73,6 +77,8 @@ def build_config(args: argparse.Namespace):
             import grpc  # noqa: F401
             from envoy.service.ext_proc.v3 import external_processor_pb2  # noqa: F401
             from grpc_health.v1 import health  # noqa: F401
+            if cfg.epp_transport == "h2":
+                import h2  # noqa: F401
         except ImportError as e:
             raise CLIError(f"--epp-port needs gRPC and Envoy's protos ({e.name} is missing): "
                            "pip install 'tokenmill[k8s]'") from None
@@ -100,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(Router(cfg))
     attach(app)
     workers = ", ".join([w.url for w in cfg.workers] + [f"dns:{t}" for t in cfg.worker_dns])
-    epp = f" epp=grpc://{cfg.host}:{cfg.epp_port}" if cfg.epp_port is not None else ""
+    epp = f" epp=grpc://{cfg.host}:{cfg.epp_port} ({cfg.epp_transport})" if cfg.epp_port is not None else ""
     print(f"tokenmill route: http://{cfg.host}:{cfg.port}{epp} policy={cfg.policy} admission={cfg.admission.mode} "
           f"loop={loop_name} workers={workers}", flush=True)
     try:
