@@ -15,6 +15,7 @@ from tokenmill.engine.spec.policy import SpecPolicyConfig, SpecSnapshot, StepCos
 from tokenmill.engine.spec.proposers import NgramProposer
 from tokenmill.engine.spec.verify import verify_greedy, verify_sampled
 from tokenmill.errors import TokenmillError
+from tokenmill.hardware import capabilities
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -119,6 +120,47 @@ def test_greedy_identical_under_preemption(greedy_reference):
     out = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, sp)]
     assert llm.engine.stats().num_preempted_total > 0
     assert out == greedy_reference
+
+
+def _heldout_code_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """128-token windows of stdlib files the demo models never trained on (benchmarks/spec_decode.py's)."""
+    from tokenmill.model.tokenizer import stdlib_sources
+
+    out = []
+    for f in stdlib_sources(held_out_every=10, split="heldout"):
+        ids = tokenizer.encode(f.read_text(errors="replace"))
+        if len(ids) >= 4 * length:
+            out.append(ids[len(ids) // 3:len(ids) // 3 + length])
+        if len(out) == n:
+            break
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not capabilities().native_bf16,
+                    reason="bf16 runs on native instructions only where the CPU has them")
+def test_greedy_identical_to_spec_off_in_bf16_at_concurrency():
+    """bf16 (the default dtype on a bf16-native CPU): a verify step of n decodes + their drafts has more rows than
+    the n-row decode step it stands for, and the linear kernels for <= 8 rows and for more differ in the last
+    bits (flipping near-tie argmaxes: before the fix 2 of these 8 outputs differed at concurrency 4). Each
+    configuration runs the same closed batches of c concurrent requests as speculation off."""
+    sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    kw = dict(kv_cache_bytes="64MiB", dtype="bfloat16")
+    off = LLM("demo", **kw)
+    prompts = _heldout_code_prompts(off.tokenizer, 8, 128)
+    assert len(prompts) == 8
+
+    def run(llm, c):
+        return [r.outputs[0].token_ids for i in range(0, len(prompts), c)
+                for r in llm.generate(prompts[i:i + c], sp)]
+
+    refs = {c: run(off, c) for c in (4, 8)}
+    for proposer, k in (("ngram", 4), ("demo-draft", 4), ("demo-draft", "auto")):
+        llm = LLM("demo", speculative_model=proposer, num_speculative_tokens=k, **kw)
+        for c, ref in refs.items():
+            out = run(llm, c)
+            assert out == ref, (proposer, k, c, [i for i, (a, b) in enumerate(zip(out, ref)) if a != b])
+        assert llm.engine.stats().spec.num_accepted_tokens > 0
 
 
 # -- sampled: the output distribution is the target's -------------------------------------------------

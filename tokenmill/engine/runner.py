@@ -14,6 +14,7 @@ import torch
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.model.attention import AttentionMetadata, Int8KVCache, SeqSpan
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.linear import PackedWeight, small_row_bits
 from tokenmill.model.llama import LlamaModel
 
 
@@ -177,6 +178,7 @@ class ModelRunner:
         dec_lens: list[int] = []
         logits_idx: list[int] = []
         offsets: list[int] = []
+        base_rows = base_logits = 0  # rows and logit rows the step would have without speculative drafts
         for s in sched.seqs:
             q_start, n = len(input_ids), len(s.token_ids)
             input_ids.extend(s.token_ids)
@@ -190,6 +192,7 @@ class ModelRunner:
                 dec_tables.append(bt[: -(-ctx // bs)])
                 dec_lens.append(ctx)
             elif s.num_spec_slots:  # speculative verification: each token attends like a decode (KV is written first)
+                base_rows, base_logits = base_rows + 1, base_logits + 1
                 for j in range(n):
                     c = s.start_pos + j + 1
                     dec_idx.append(q_start + j)
@@ -197,6 +200,8 @@ class ModelRunner:
                     dec_lens.append(c)
             else:
                 spans.append(SeqSpan(q_start, n, ctx, self._tensor(bt[: -(-ctx // bs)])))
+            if n == 1 or not s.num_spec_slots:
+                base_rows, base_logits = base_rows + n, base_logits + s.num_logits
             offsets.append(len(logits_idx))
             logits_idx.extend(range(q_start + n - s.num_logits, q_start + n))
         meta = AttentionMetadata(
@@ -207,9 +212,15 @@ class ModelRunner:
             meta.decode_token_idx = self._tensor(dec_idx)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in dec_tables])
             meta.decode_ctx_lens = self._tensor(dec_lens)
-        hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta)
+        # verify rows get the linear kernels' bits of the step without drafts (lossless greedy in bf16: see
+        # linear.small_row_bits); a step without drafts is unchanged
+        small = PackedWeight.SMALL_ROWS
+        with small_row_bits(base_rows <= small < len(input_ids)):
+            hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta)
         if not logits_idx:
             return ModelOutput(torch.empty(0, self.cfg.vocab_size), offsets)
         if logits_idx != list(range(hidden.shape[0])):  # a pure decode step needs every row, in order: no copy
             hidden = hidden[self._tensor(logits_idx)]
-        return ModelOutput(self.model.compute_logits(hidden, float32=float_logits), offsets)
+        with small_row_bits(base_logits <= small < len(logits_idx)):
+            logits = self.model.compute_logits(hidden, float32=float_logits)
+        return ModelOutput(logits, offsets)

@@ -22,6 +22,7 @@ import os
 import torch
 
 from tokenmill.model.attention import AttentionMetadata, Int8KVCache
+from tokenmill.model.linear import small_row_bits_on
 
 MAX_TOKENS = 8  # the small-batch linear kernels' row limit (PackedWeight.SMALL_ROWS, Int8LinearMethod.SMALL_ROWS)
 ANY = 1 << 62  # max_tokens of a stack that runs decode steps of any size
@@ -95,6 +96,8 @@ class FusedDecodeStack:
         """This step is one the fused path runs: all tokens decode-style, at most `max_tokens` of them, x in a
         dtype the kernels take."""
         t = x.shape[0]
+        if t > MAX_TOKENS and small_row_bits_on():  # a verify step that must get the small-row kernels' bits: its
+            return False  # > 8 rows would take oneDNN here; the modules honour linear.small_row_bits
         return (0 < t <= self.max_tokens and not meta.spans and meta.decode_token_idx is not None
                 and meta.decode_token_idx.shape[0] == t and x.is_contiguous())
 

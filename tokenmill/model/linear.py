@@ -8,6 +8,7 @@ are one Linear with named output shards, loaded shard by shard from the checkpoi
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -16,6 +17,37 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.cpu_kernels import kernels_for
+
+
+_SMALL_BITS = [False]  # inside `small_row_bits(True)`: calls of any row count get the small-row kernel's bits
+
+
+def small_row_bits_on() -> bool:
+    """Inside `small_row_bits(True)`: callers that run their own kernels (the fused decoder stack) must give every
+    row the small-row kernel's bits too, or step aside for the modules."""
+    return _SMALL_BITS[0]
+
+
+@contextmanager
+def small_row_bits(on: bool):
+    """Within the block, PackedWeight calls with more than SMALL_ROWS rows compute every row with the exact bits
+    the small-row kernel gives it (`linear_rows_bf16`, or linear_small over chunks of rows) instead of oneDNN.
+
+    Why: each kernel is row-invariant on its own (linear_small's per-row sum does not depend on the row count;
+    oneDNN's rows are the same bits for any count above SMALL_ROWS: tests/model/test_batch_invariant.py checks
+    both), but the two differ in the last bits, which in bf16 flips near-tie argmaxes. A speculative verify step
+    has more rows than the step it stands for (n decodes + their drafts): the runner turns this on when the step
+    *without* drafts would have had at most SMALL_ROWS rows, so every row gets the bits it would get in that
+    step and greedy speculation is token for token the output without it."""
+    if not on:
+        yield
+        return
+    prev = _SMALL_BITS[0]
+    _SMALL_BITS[0] = True
+    try:
+        yield
+    finally:
+        _SMALL_BITS[0] = prev
 
 
 class LinearMethod:
@@ -66,6 +98,17 @@ class PackedWeight:
 
         k = get_kernels()
         self.small = k.linear_small if k is not None and weight.is_contiguous() else None
+        self.rows_bf16 = getattr(k, "linear_rows_bf16", None) if self.small is not None else None
+
+    def small_bits(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Any number of rows, each with the bits linear_small gives it: the batch-invariant bf16 kernel (one
+        pass over the weight), else linear_small over chunks of SMALL_ROWS rows."""
+        y = torch.empty(x2.shape[0], self.weight.shape[0], dtype=x2.dtype)
+        if self.rows_bf16 is not None and self.rows_bf16(y, x2, self.weight, bias):
+            return y
+        for i in range(0, x2.shape[0], self.SMALL_ROWS):
+            self.small(y[i:i + self.SMALL_ROWS], x2[i:i + self.SMALL_ROWS], self.weight, bias)
+        return y
 
     @staticmethod
     def maybe(weight: torch.Tensor) -> "PackedWeight | None":
@@ -81,9 +124,12 @@ class PackedWeight:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if self.small is not None and 0 < x2.shape[0] <= self.SMALL_ROWS:
-            y = torch.empty(x2.shape[0], self.weight.shape[0], dtype=x.dtype)
+        m = x2.shape[0]
+        if self.small is not None and 0 < m <= self.SMALL_ROWS:
+            y = torch.empty(m, self.weight.shape[0], dtype=x.dtype)
             self.small(y, x2.contiguous(), self.weight, bias)
+        elif self.small is not None and m and _SMALL_BITS[0]:
+            y = self.small_bits(x2.contiguous(), bias)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
         return y.view(*lead, y.shape[-1])

@@ -925,6 +925,103 @@ void linear_small(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::opti
   TM_DISPATCH(x, "linear_small", [&] { linear_small_impl<scalar_t>(out, x, w, bias); });
 }
 
+// ---- batch-invariant bf16 linear (any number of rows) ----
+// y[m, n] computed exactly as linear_small computes it for a bf16 row on an AVX-512 BF16 CPU: one 16-lane fp32
+// accumulator over K in steps of 32 (vdpbf16ps, weight operand first), _mm512_reduce_add_ps, + bias, rounded to
+// bf16. So each output row is the same bits whatever the number of rows in the call: a decode token computed in
+// a batch of 1, 8 or 64 rows, or beside k speculative tokens, or inside a prefill chunk, gets one answer (oneDNN
+// picks its blocking, and with it the reduction order, by the row count). The register tile (MT rows x RT weight
+// rows) only decides which accumulators live together, never the order of any one sum.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+template <int MT, int RT>
+static inline void linear_rows_tile(const at::BFloat16* xp, const at::BFloat16* wp, at::BFloat16* op,
+                                    const at::BFloat16* bp, int64_t K, int64_t N, int64_t m0, int64_t n) {
+  __m512 a[RT][MT];
+  for (int r = 0; r < RT; ++r)
+    for (int m = 0; m < MT; ++m) a[r][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(xp + (m0 + m) * K + k);
+    for (int r = 0; r < RT; ++r) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wp + (n + r) * K + k);
+      for (int m = 0; m < MT; ++m) a[r][m] = _mm512_dpbf16_ps(a[r][m], wv, xv[m]);
+    }
+  }
+  if constexpr (MT == 4 && RT == 4) {
+    // the 16 horizontal sums at once, in _mm512_reduce_add_ps's own tree (halves 256 + 256, then 128 + 128,
+    // then lanes (0+2, 1+3), then 0 + 1; float addition commutes, so only the pairing matters)
+    float sums[4][16];
+    for (int r = 0; r < 4; ++r) {
+      __m512 s2[2];
+      for (int p = 0; p < 2; ++p) {  // [a_m.lo256 + a_m.hi256, a_m+1.lo256 + a_m+1.hi256]
+        const __m512 u = a[r][2 * p], v = a[r][2 * p + 1];
+        s2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(u, v, 0x44), _mm512_shuffle_f32x4(u, v, 0xEE));
+      }
+      // [q0 + q1 of each of the 4 accumulators' 256-bit sums]
+      __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x88), _mm512_shuffle_f32x4(s2[0], s2[1], 0xDD));
+      t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));  // lanes (0 + 2, 1 + 3) of each 128-bit block
+      t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));  // lane 0 + lane 1
+      _mm512_storeu_ps(sums[r], t);
+    }
+    for (int r = 0; r < 4; ++r)
+      for (int m = 0; m < 4; ++m)
+        op[(m0 + m) * N + n + r] = at::BFloat16(sums[r][4 * m] + (bp ? to_f(bp[n + r]) : 0.f));
+    return;
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int m = 0; m < MT; ++m)
+      op[(m0 + m) * N + n + r] = at::BFloat16(_mm512_reduce_add_ps(a[r][m]) + (bp ? to_f(bp[n + r]) : 0.f));
+}
+
+template <int RT>
+static inline void linear_rows_strip(const at::BFloat16* xp, const at::BFloat16* wp, at::BFloat16* op,
+                                     const at::BFloat16* bp, int64_t M, int64_t K, int64_t N, int64_t n) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) linear_rows_tile<4, RT>(xp, wp, op, bp, K, N, m, n);
+  switch (M - m) {
+    case 3: linear_rows_tile<3, RT>(xp, wp, op, bp, K, N, m, n); break;
+    case 2: linear_rows_tile<2, RT>(xp, wp, op, bp, K, N, m, n); break;
+    case 1: linear_rows_tile<1, RT>(xp, wp, op, bp, K, N, m, n); break;
+    default: break;
+  }
+}
+#endif
+
+// Returns false (nothing written) where the kernel does not apply: not bf16, K % 32 != 0, or no AVX-512 BF16.
+bool linear_rows_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (x.scalar_type() != at::kBFloat16 || w.scalar_type() != at::kBFloat16 || out.scalar_type() != at::kBFloat16 ||
+      (bias.has_value() && bias->scalar_type() != at::kBFloat16))
+    return false;
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && out.is_contiguous() && x.dim() == 2 && w.dim() == 2,
+              "linear_rows_bf16: contiguous 2-D x, W, out");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K && out.size(0) == M && out.size(1) == N, "linear_rows_bf16: shapes");
+  if (K % 32 || M == 0) return M == 0 && K % 32 == 0;
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+  // rows of W in strips of 4 (kept in L1 while every x row passes), the x rows in tiles of 4; parallel over W
+  const int64_t strips = (N + 3) / 4;
+  at::parallel_for(0, strips, std::max<int64_t>(1, 4096 / std::max<int64_t>(M, 1)), [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t n = s * 4;
+      switch (std::min<int64_t>(4, N - n)) {
+        case 4: linear_rows_strip<4>(xp, wp, op, bp, M, K, N, n); break;
+        case 3: linear_rows_strip<3>(xp, wp, op, bp, M, K, N, n); break;
+        case 2: linear_rows_strip<2>(xp, wp, op, bp, M, K, N, n); break;
+        default: linear_rows_strip<1>(xp, wp, op, bp, M, K, N, n); break;
+      }
+    }
+  });
+  return true;
+#else
+  (void)out; (void)x; (void)w; (void)bias;
+  return false;
+#endif
+}
+
 // ---- int8 W8A8 (dynamic per-token activation scales, per-output-channel weight scales) ----
 
 // q[m, :] = round(x[m, :] / s[m]) with s[m] = max|x[m, :]| / 127 (1 for an all-zero row); one pass per row
@@ -1329,6 +1426,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_int8", &write_kv_int8, "quantize this step's K/V into an int8 cache (per-(block, head) scales)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (CPU, fp32/bf16)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection (CPU, fp32/bf16)");
+  m.def("linear_rows_bf16", &linear_rows_bf16, "batch-invariant bf16 y = x W^T (+ b), any rows: each row's bits as "
+        "linear_small's (AVX-512 BF16; False where it does not apply)");
   m.def("linear_small", &linear_small, "y = x W^T (+ b) for at most 8 rows, W streamed once (CPU, fp32/bf16)");
   m.def("write_kv", &write_kv, "write this step's K/V into their cache slots (CPU, fp32/bf16)");
   m.def("rope_inplace", &rope_inplace, "neox rotary embedding in place (CPU, fp32/bf16)");

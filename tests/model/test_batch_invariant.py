@@ -1,0 +1,57 @@
+"""Row invariance of the bf16 linear kernels, which lossless speculation in bf16 rests on (linear.small_row_bits):
+a row's result must not depend on how many rows share the call, within each kernel, and `small_row_bits` must
+give any number of rows the small-row kernel's bits. The reference for each row is the kernel called on that row
+with at most 8 rows (linear_small) or at the front of a 9-row call (oneDNN)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.hardware import capabilities
+from tokenmill.model.cpu_kernels import get_kernels
+from tokenmill.model.linear import PackedWeight, small_row_bits
+
+pytestmark = pytest.mark.skipif(get_kernels() is None or not capabilities().native_bf16,
+                                reason="no C++ CPU kernels / native bf16 on this machine")
+
+SHAPES = [(768, 256), (256, 704), (4096, 256), (37, 64), (10, 96)]  # (N, K): the demo's projections and odd ones
+
+
+def _small_rows(w, x, bias):
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    for i in range(0, x.shape[0], 8):
+        get_kernels().linear_small(y[i:i + 8], x[i:i + 8].contiguous(), w, bias)
+    return y
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_linear_rows_bf16_has_linear_smalls_bits_for_any_row_count(n, k):
+    g = torch.Generator().manual_seed(n * k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = (torch.randn(n, generator=g) * 0.1).bfloat16()
+    for m in (1, 4, 5, 9, 20, 63, 130):
+        x = torch.randn(m, k, generator=g).bfloat16()
+        for bias in (None, b):
+            y = torch.empty(m, n, dtype=torch.bfloat16)
+            assert get_kernels().linear_rows_bf16(y, x, w, bias)
+            assert torch.equal(y, _small_rows(w, x, bias)), (m, n, k)
+    y = torch.empty(3, n, dtype=torch.float32)  # not bf16: refused, nothing written
+    assert not get_kernels().linear_rows_bf16(y, torch.randn(3, k), w.float(), None)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_packed_weight_rows_do_not_depend_on_the_row_count(n, k):
+    g = torch.Generator().manual_seed(7 + n)
+    pw = PackedWeight(w := (torch.randn(n, k, generator=g) * 0.05).bfloat16())
+    x = torch.randn(300, k, generator=g).bfloat16()
+    small = _small_rows(w, x, None)
+    assert torch.equal(pw(x[:5]), small[:5])  # <= 8 rows: linear_small itself
+    for m in (9, 20, 64, 300):
+        y = pw(x[:m])  # oneDNN: each row as at the front of a 9-row call
+        for r in range(0, m, max(1, m // 6)):
+            assert torch.equal(y[r], pw(torch.cat([x[r:r + 1], x[:8]]))[0]), (m, r)
+        with small_row_bits(True):
+            assert torch.equal(pw(x[:m]), small[:m])
+    if k >= 256:  # the two kernels do differ (why the context exists; short sums may happen to agree)
+        assert not torch.equal(pw(x[:300]), small)
