@@ -78,15 +78,20 @@ class GreedyDraftLoop:
             last_row.append(len(tok0) - 1)
         same = len(tok0) == n
         bt = bt_all if same else bt_all.index_select(0, torch.tensor(rows_of, dtype=torch.long))
-        toks = self._step(tok0, pos0, [tables[i] for i in rows_of], bt, None if same else last_row)
-        out = [[t] for t in toks]
+        first = self._step(tok0, pos0, [tables[i] for i in rows_of], bt, None if same else last_row)  # [n]
+        k_max = max(ks)
+        if k_max == 1:
+            return [[t] for t in first.tolist()]
+        if all(k == k_max for k in ks):
+            return self._uniform(reqs, k_max, tables, bt_all, first)
+        out = [[t] for t in first.tolist()]
         active = [i for i in range(n) if ks[i] > 1]
-        if len(active) != n and active:
+        if len(active) != n:
             bt_all = bt_all.index_select(0, torch.tensor(active, dtype=torch.long))
         step = 1
         while active:
             toks = self._step([out[i][-1] for i in active], [reqs[i].num_tokens + step - 1 for i in active],
-                              [tables[i] for i in active], bt_all, None)
+                              [tables[i] for i in active], bt_all, None).tolist()
             for i, t in zip(active, toks):
                 out[i].append(t)
             step += 1
@@ -97,8 +102,29 @@ class GreedyDraftLoop:
                     bt_all = bt_all.index_select(0, torch.tensor(keep, dtype=torch.long))
         return out
 
+    def _uniform(self, reqs: list[Request], k: int, tables: list[list[int]], bt: torch.Tensor,
+                 first: torch.Tensor) -> list[list[int]]:
+        """Steps 1..k-1 when every sequence drafts k tokens (fixed k; `auto` at batch 1): positions, slots and
+        context lengths of all steps built at once, the tokens stay tensors between steps (argmax -> embedding
+        rows), one list conversion at the end."""
+        bs, model = self.bs, self.model
+        fused, rope, caches, emb = model.fused, model.rope, self.runner.kv_caches, model.embed_tokens.weight
+        pos = [[r.num_tokens + j - 1 for r in reqs] for j in range(1, k)]  # [k-1, n]
+        slots = [[tb[p // bs] * bs + p % bs for tb, p in zip(tables, row)] for row in pos]
+        pos_t = torch.tensor(pos, dtype=torch.long)
+        slot_t = torch.tensor(slots, dtype=torch.long)
+        ctx_t = pos_t + 1
+        idx = torch.arange(len(reqs))
+        toks = [first]
+        for j in range(k - 1):
+            meta = AttentionMetadata(slot_mapping=slot_t[j], spans=[], decode_token_idx=idx, decode_block_tables=bt,
+                                     decode_ctx_lens=ctx_t[j], decode_mask=None, sliding_window=self.window)
+            hidden = fused(emb.index_select(0, toks[-1]), pos_t[j], rope, caches, meta)
+            toks.append(model.compute_logits(hidden).argmax(dim=-1))
+        return torch.stack(toks, dim=1).tolist()
+
     def _step(self, tokens: list[int], positions: list[int], tables: list[list[int]], bt: torch.Tensor,
-              logit_rows: list[int] | None) -> list[int]:
+              logit_rows: list[int] | None) -> torch.Tensor:
         """One fused forward of decode-style rows (row j: tokens[j] at positions[j], attending through tables[j]
         = bt[j]); the argmax of the rows in logit_rows (None: every row). Logits are computed for every row and
         then selected, as the runner does for the rows of one sequence."""
@@ -113,4 +139,4 @@ class GreedyDraftLoop:
         logits = self.model.compute_logits(hidden)
         if logit_rows is not None:
             logits = logits.index_select(0, torch.tensor(logit_rows, dtype=torch.long))
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
