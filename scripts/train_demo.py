@@ -64,6 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--unlikelihood", type=float, default=0.0,
                    help="target loss += w * token-level unlikelihood of the previous --ul-window tokens (anti-repetition)")
     p.add_argument("--ul-window", type=int, default=16)
+    p.add_argument("--seq-ul-steps", type=int, default=0,
+                   help="after the joint phase: target steps of sequence-level unlikelihood on its own greedy "
+                        "continuations (repeated 4-grams penalized), each followed by an MLE step")
+    p.add_argument("--seq-ul-prefix", type=int, default=32, help="prefix tokens of a sequence-level UL step")
+    p.add_argument("--seq-ul-len", type=int, default=64, help="greedy tokens generated per sequence-level UL step")
     p.add_argument("--checkpoint", default=None,
                    help="state file: training saves it and exits with status 3 after --segment-s; re-run to resume")
     p.add_argument("--segment-s", type=float, default=540.0, help="seconds of training per segment (with --checkpoint)")
@@ -71,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.unlikelihood < 0 or args.ul_window < 1:
         p.error("--unlikelihood must be >= 0 and --ul-window >= 1")
+    if args.seq_ul_steps < 0 or args.seq_ul_prefix < 1 or args.seq_ul_len < 4:
+        p.error("--seq-ul-steps must be >= 0, --seq-ul-prefix >= 1, --seq-ul-len >= 4")
     if args.quick:
         args.steps, args.distill_steps, args.eval_windows, args.seq_len = 6, 2, 4, 128
     return args
@@ -239,6 +246,39 @@ def unlikelihood(logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor, window:
     return -(torch.log((1 - p).clamp(min=1e-5)) * cand).sum() / (b * s)
 
 
+def repeated_ngram_mask(seq: torch.Tensor, start: int, n: int = 4) -> torch.Tensor:
+    """[B, L] tokens -> [B, L] bool: position t (>= start) ends an n-gram that already occurred earlier in the
+    sequence (Welleck et al.'s sequence-level candidates: the tokens that make a continuation repeat)."""
+    b, length = seq.shape
+    mask = torch.zeros(b, length, dtype=torch.bool)
+    rows = seq.tolist()
+    for i, row in enumerate(rows):
+        seen = set()
+        for t in range(n - 1, length):
+            g = tuple(row[t - n + 1 : t + 1])
+            if g in seen and t >= start:
+                mask[i, t] = True
+            seen.add(g)
+    return mask
+
+
+def sequence_unlikelihood(model, prefix: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
+    """Sequence-level unlikelihood: greedy-decode new_tokens after each prefix [B, P] with the model itself,
+    then -log(1 - p(x_t)) at the positions that repeat a 4-gram, mean over the continuation's positions.
+    Returns (loss, share of repeating positions)."""
+    model.eval()
+    with torch.no_grad():
+        seq = model.generate(prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=EOS_ID)
+    model.train()
+    p_len = prefix.shape[1]
+    mask = repeated_ngram_mask(seq, p_len)[:, 1:]  # aligned with the logits that predict seq[:, 1:]
+    logits = model(input_ids=seq[:, :-1], use_cache=False).logits
+    prob = torch.softmax(logits.float(), dim=-1).gather(-1, seq[:, 1:, None])[..., 0]
+    ul = -(torch.log((1 - prob).clamp(min=1e-5)) * mask).sum() / (seq.shape[0] * new_tokens)
+    return ul, mask[:, p_len - 1 :].float().mean().item()
+
+
 # -- training -----------------------------------------------------------------------------------
 def save_checkpoint(path: Path, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
@@ -272,9 +312,12 @@ def train(args, target, draft, data: Batches) -> dict:
     t0 = time.time()
     trained0 = log["train_s"]
 
+    seq_end = args.steps + args.seq_ul_steps  # global steps: joint, then sequence-level UL, then distillation
+    last = seq_end + args.distill_steps
+
     def maybe_checkpoint(next_step: int) -> None:
         log["train_s"] = round(trained0 + time.time() - t0, 1)
-        if ckpt is None or time.time() - t0 < args.segment_s or next_step >= args.steps + args.distill_steps:
+        if ckpt is None or time.time() - t0 < args.segment_s or next_step >= last:
             return
         save_checkpoint(ckpt, {"args": checkpoint_args(args), "step": next_step, "log": log,
                                "target": target.state_dict(), "draft": draft.state_dict(),
@@ -306,10 +349,29 @@ def train(args, target, draft, data: Batches) -> dict:
                 entry["target_ul"] = round(ul.item(), 4)
             log["joint"].append(entry)
         maybe_checkpoint(step + 1)
+    log.setdefault("seq_ul", [])
+    for step in range(max(0, start - args.steps), args.seq_ul_steps):
+        # Welleck et al. 2019 sec. 5.2: alternate a sequence-level UL update on the model's own greedy
+        # continuations with an MLE (+ token-level UL) update; constant LR, a quarter of the peak
+        batch = data.batch(args.skip_batches + args.steps + step)  # [B, S+1]
+        lr = opt_t.peak * 0.25
+        s_ul, rep = sequence_unlikelihood(target, batch[:, : args.seq_ul_prefix], args.seq_ul_len)
+        opt_t.step(s_ul, lr)
+        x, y = batch[:, :-1], batch[:, 1:]
+        t_logits = target(input_ids=x, use_cache=False).logits
+        t_loss = F.cross_entropy(t_logits.reshape(-1, VOCAB), y.reshape(-1))
+        obj = t_loss + args.unlikelihood * unlikelihood(t_logits, x, y, args.ul_window) if args.unlikelihood else t_loss
+        opt_t.step(obj, lr)
+        if step % 10 == 0 or step == args.seq_ul_steps - 1:
+            print(f"seq-ul {step:4d}/{args.seq_ul_steps} repeating share {rep:.3f} seq ul {s_ul.item():.3f} "
+                  f"target ce {t_loss.item():.3f} elapsed {time.time() - t0:.0f}s", flush=True)
+            log["seq_ul"].append({"step": step, "repeat_share": round(rep, 4), "seq_ul": round(s_ul.item(), 4),
+                                  "target_ce": round(t_loss.item(), 4)})
+        maybe_checkpoint(args.steps + step + 1)
     target.eval()
     peak = opt_d.peak * 0.5
-    for step in range(max(0, start - args.steps), args.distill_steps):
-        x = data.batch(args.skip_batches + args.steps + step)[:, :-1]
+    for step in range(max(0, start - seq_end), args.distill_steps):
+        x = data.batch(args.skip_batches + seq_end + step)[:, :-1]
         with torch.no_grad():
             t_logits = target(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
         d_loss = kl_to(t_logits, draft(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB))
@@ -318,7 +380,7 @@ def train(args, target, draft, data: Batches) -> dict:
             print(f"distill {step:4d}/{args.distill_steps} kl {d_loss.item():.3f} "
                   f"elapsed {time.time() - t0:.0f}s", flush=True)
             log["distill"].append({"step": step, "kl": round(d_loss.item(), 4)})
-        maybe_checkpoint(args.steps + step + 1)
+        maybe_checkpoint(seq_end + step + 1)
     log["train_s"] = round(trained0 + time.time() - t0, 1)
     return log
 
@@ -326,7 +388,7 @@ def train(args, target, draft, data: Batches) -> dict:
 def checkpoint_args(args) -> dict:
     """The arguments a checkpoint must agree with to be resumed (not --segment-s, --out, --threads)."""
     keep = ("seed", "steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight", "init", "skip_batches",
-            "unlikelihood", "ul_window")
+            "unlikelihood", "ul_window", "seq_ul_steps", "seq_ul_prefix", "seq_ul_len")
     return {k: getattr(args, k) for k in keep}
 
 
@@ -440,10 +502,11 @@ def main(argv=None) -> int:
         "command": command,
         "seed": args.seed,
         "corpus": "Python stdlib .py files, tests excluded; every 10th file (sorted) held out",
-        "train_tokens_seen": (args.steps + args.distill_steps) * args.batch_size * args.seq_len,
+        "train_tokens_seen": (args.steps + args.seq_ul_steps + args.distill_steps) * args.batch_size * args.seq_len,
         "init": args.init,
         "train_windows": len(train_w),
-        "hyperparameters": {k: getattr(args, k) for k in ("steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight")},
+        "hyperparameters": {k: getattr(args, k) for k in ("steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight",
+                                                           "unlikelihood", "ul_window", "seq_ul_steps")},
         "heldout_eval": metrics,
         "train_log": log,
         "torch": torch.__version__,
