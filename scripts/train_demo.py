@@ -114,6 +114,13 @@ class Batches:
         self.gen = torch.Generator().manual_seed(seed)
         self.perms: list[torch.Tensor] = []
 
+    def file_starts(self, length: int) -> torch.Tensor:
+        """The first `length` tokens of every training file whose start lies inside a window. -> [F, length]"""
+        w = self.train
+        eos = (w[:, :-1] == EOS_ID).nonzero().tolist()
+        rows = [w[i, j + 1 : j + 1 + length] for i, j in eos if j + 1 + length <= w.shape[1]]
+        return torch.stack(rows)
+
     def batch(self, j: int) -> torch.Tensor:
         epoch, i = divmod(j, self.per_epoch)
         while len(self.perms) <= epoch:
@@ -279,6 +286,18 @@ def sequence_unlikelihood(model, prefix: torch.Tensor, new_tokens: int) -> tuple
     return ul, mask[:, p_len - 1 :].float().mean().item()
 
 
+def seq_ul_prefixes(data: "Batches", batch: torch.Tensor, step: int, max_len: int) -> torch.Tensor:
+    """Prefixes for a sequence-level UL step: length 2..max_len (cycling with the step: short prompts loop
+    most), half of them from the batch's windows (mid-file contexts), half the first tokens of training files
+    (what a prompt like `import os` looks like: a file's start), chosen by the step. -> [B, L]"""
+    length = 2 + step % max(1, max_len - 1)
+    starts = data.file_starts(length)
+    b = batch.shape[0]
+    half = b // 2
+    pick = [(step * 7919 + 104729 * j) % len(starts) for j in range(b - half)]
+    return torch.cat([batch[:half, :length], starts[pick]], dim=0)
+
+
 # -- training -----------------------------------------------------------------------------------
 def save_checkpoint(path: Path, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
@@ -355,7 +374,8 @@ def train(args, target, draft, data: Batches) -> dict:
         # continuations with an MLE (+ token-level UL) update; constant LR, a quarter of the peak
         batch = data.batch(args.skip_batches + args.steps + step)  # [B, S+1]
         lr = opt_t.peak * 0.25
-        s_ul, rep = sequence_unlikelihood(target, batch[:, : args.seq_ul_prefix], args.seq_ul_len)
+        s_ul, rep = sequence_unlikelihood(target, seq_ul_prefixes(data, batch, step, args.seq_ul_prefix),
+                                          args.seq_ul_len)
         opt_t.step(s_ul, lr)
         x, y = batch[:, :-1], batch[:, 1:]
         t_logits = target(input_ids=x, use_cache=False).logits
