@@ -87,7 +87,14 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag:
 
 
 def engines(configs: dict[str, dict], **common) -> dict[str, LLMEngine]:
-    return {name: LLMEngine(model="demo", **common, **kw) for name, kw in configs.items()}
+    out = {}
+    for name, kw in configs.items():
+        kw = dict(kw)
+        general = kw.pop("general_draft_path", False)  # the draft proposer without spec/draft_loop.py (A/B)
+        out[name] = e = LLMEngine(model="demo", **common, **kw)
+        if general:
+            e.spec.proposer.loop = None
+    return out
 
 
 def bench_interleaved(title: str, configs: dict[str, dict], prompts: list[list[int]], max_tokens: int,
@@ -136,6 +143,9 @@ def cmd_batch1(a) -> None:
     configs = {"off": {}}
     for k in a.k:
         configs[f"demo-draft k={k}"] = dict(speculative_model="demo-draft", num_speculative_tokens=k)
+    for k in a.general_k:
+        configs[f"demo-draft k={k} general path"] = dict(speculative_model="demo-draft", num_speculative_tokens=k,
+                                                          general_draft_path=True)
     configs["demo-draft auto"] = dict(speculative_model="demo-draft", num_speculative_tokens="auto")
     configs["ngram k=4"] = dict(speculative_model="ngram", num_speculative_tokens=4)
     configs["ngram auto"] = dict(speculative_model="ngram", num_speculative_tokens="auto")
@@ -213,6 +223,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--general-k", type=int, nargs="*", default=[4],
+                   help="also these k with the draft proposer's general path (one runner.execute per draft step)")
     p.set_defaults(func=cmd_batch1)
     p = sub.add_parser("edit")
     p.add_argument("--prompts", type=int, default=8)

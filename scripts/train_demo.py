@@ -57,8 +57,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kl-weight", type=float, default=0.7, help="draft loss = (1-w)*CE + w*KL(target||draft)")
     p.add_argument("--eval-windows", type=int, default=128, help="held-out windows of seq-len tokens")
     p.add_argument("--threads", type=int, default=2, help="torch threads; 1 is faster on an oversubscribed machine")
+    p.add_argument("--init", default=None,
+                   help="continue from a trained pair: DIR/demo and DIR/demo-draft (HF dirs, e.g. the shipped pair)")
+    p.add_argument("--skip-batches", type=int, default=0,
+                   help="start the data stream this many batches in (the batches an --init pair already saw)")
+    p.add_argument("--unlikelihood", type=float, default=0.0,
+                   help="target loss += w * token-level unlikelihood of the previous --ul-window tokens (anti-repetition)")
+    p.add_argument("--ul-window", type=int, default=16)
+    p.add_argument("--seq-ul-steps", type=int, default=0,
+                   help="after the joint phase: target steps of sequence-level unlikelihood on its own greedy "
+                        "continuations (repeated 4-grams penalized), each followed by an MLE step")
+    p.add_argument("--seq-ul-prefix", type=int, default=32, help="prefix tokens of a sequence-level UL step")
+    p.add_argument("--seq-ul-len", type=int, default=64, help="greedy tokens generated per sequence-level UL step")
+    p.add_argument("--checkpoint", default=None,
+                   help="state file: training saves it and exits with status 3 after --segment-s; re-run to resume")
+    p.add_argument("--segment-s", type=float, default=540.0, help="seconds of training per segment (with --checkpoint)")
     p.add_argument("--quick", action="store_true", help="smoke run: a few steps, tiny eval")
     args = p.parse_args(argv)
+    if args.unlikelihood < 0 or args.ul_window < 1:
+        p.error("--unlikelihood must be >= 0 and --ul-window >= 1")
+    if args.seq_ul_steps < 0 or args.seq_ul_prefix < 1 or args.seq_ul_len < 4:
+        p.error("--seq-ul-steps must be >= 0, --seq-ul-prefix >= 1, --seq-ul-len >= 4")
     if args.quick:
         args.steps, args.distill_steps, args.eval_windows, args.seq_len = 6, 2, 4, 128
     return args
@@ -85,12 +104,28 @@ def windows(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
     return stream[idx]
 
 
-def batches(train: torch.Tensor, batch_size: int, gen: torch.Generator):
-    """Endless shuffled batches, a fresh permutation each epoch. -> [B, S+1]"""
-    while True:
-        perm = torch.randperm(len(train), generator=gen)
-        for i in range(0, len(perm) - batch_size + 1, batch_size):
-            yield train[perm[i : i + batch_size]]
+class Batches:
+    """Shuffled batches, a fresh permutation each epoch (from one generator seeded with the seed), addressable
+    by batch index so a resumed run continues the same stream. batch(j) -> [B, S+1]"""
+
+    def __init__(self, train: torch.Tensor, batch_size: int, seed: int):
+        self.train, self.b = train, batch_size
+        self.per_epoch = len(train) // batch_size
+        self.gen = torch.Generator().manual_seed(seed)
+        self.perms: list[torch.Tensor] = []
+
+    def file_starts(self, length: int) -> torch.Tensor:
+        """The first `length` tokens of every training file whose start lies inside a window. -> [F, length]"""
+        w = self.train
+        eos = (w[:, :-1] == EOS_ID).nonzero().tolist()
+        rows = [w[i, j + 1 : j + 1 + length] for i, j in eos if j + 1 + length <= w.shape[1]]
+        return torch.stack(rows)
+
+    def batch(self, j: int) -> torch.Tensor:
+        epoch, i = divmod(j, self.per_epoch)
+        while len(self.perms) <= epoch:
+            self.perms.append(torch.randperm(len(self.train), generator=self.gen))
+        return self.train[self.perms[epoch][i * self.b : (i + 1) * self.b]]
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -111,10 +146,19 @@ def llama_config(shape: dict):
     )
 
 
-def build(shape: dict):
+def build(shape: dict, init: Path | None = None):
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM(llama_config(shape)).float()
+    model = LlamaForCausalLM(llama_config(shape)).float()
+    if init is not None:  # continue from a saved pair: same shape required (strict load)
+        from safetensors.torch import load_file
+
+        state = {k: v.float() for k, v in load_file(str(init / "model.safetensors")).items()}
+        if "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model.load_state_dict(state, strict=True)
+        model.tie_weights()
+    return model
 
 
 def num_params(model) -> int:
@@ -193,33 +237,164 @@ def kl_to(target_logits: torch.Tensor, draft_logits: torch.Tensor) -> torch.Tens
     return F.kl_div(F.log_softmax(draft_logits, -1), F.log_softmax(target_logits, -1), log_target=True, reduction="batchmean")
 
 
+def unlikelihood(logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor, window: int) -> torch.Tensor:
+    """Token-level unlikelihood (Welleck et al. 2019, "Neural text generation with unlikelihood training"):
+    -log(1 - p(c)) summed over the candidates c = the last `window` input tokens up to and including position t,
+    except the true next token; mean over positions. Pushes probability off tokens that would repeat recent
+    context when they are not what comes next: the greedy loops (`path.path.path`) of a small model.
+    logits [B, S, V], x [B, S] inputs, y [B, S] next tokens."""
+    b, s, v = logits.shape
+    idx = torch.arange(s)[:, None] - torch.arange(window)[None, :]  # [S, W] positions t, t-1, ..
+    ctx = x[:, idx.clamp(min=0)]  # [B, S, W]
+    ctx = torch.where((idx >= 0)[None], ctx, y[:, :, None])  # before the window's start: the true token (removed)
+    cand = torch.zeros(b, s, v, dtype=torch.bool).scatter_(2, ctx, True)
+    cand.scatter_(2, y[:, :, None], False)
+    p = torch.softmax(logits.float(), dim=-1)
+    return -(torch.log((1 - p).clamp(min=1e-5)) * cand).sum() / (b * s)
+
+
+def repeated_ngram_mask(seq: torch.Tensor, start: int, n: int = 4) -> torch.Tensor:
+    """[B, L] tokens -> [B, L] bool: position t ends an n-gram of the continuation (positions >= start) that
+    already occurred earlier in the continuation (Welleck et al.'s sequence-level candidates: the tokens that
+    make a continuation loop). Only n-grams wholly inside the continuation count: copying from the prompt
+    (code that is repeated, edited, refactored) is legitimate and must not be penalized — an earlier version
+    that counted the prefix's n-grams too taught the target not to copy (edit workload n-gram 2.19x -> 1.23x)."""
+    b, length = seq.shape
+    mask = torch.zeros(b, length, dtype=torch.bool)
+    rows = seq.tolist()
+    for i, row in enumerate(rows):
+        seen = set()
+        for t in range(start + n - 1, length):
+            g = tuple(row[t - n + 1 : t + 1])
+            if g in seen:
+                mask[i, t] = True
+            seen.add(g)
+    return mask
+
+
+def sequence_unlikelihood(model, prefix: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
+    """Sequence-level unlikelihood: greedy-decode new_tokens after each prefix [B, P] with the model itself,
+    then -log(1 - p(x_t)) at the positions that repeat a 4-gram, mean over the continuation's positions.
+    Returns (loss, share of repeating positions)."""
+    model.eval()
+    with torch.no_grad():
+        seq = model.generate(prefix, attention_mask=torch.ones_like(prefix), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=EOS_ID)
+    model.train()
+    p_len = prefix.shape[1]
+    mask = repeated_ngram_mask(seq, p_len)[:, 1:]  # aligned with the logits that predict seq[:, 1:]
+    logits = model(input_ids=seq[:, :-1], use_cache=False).logits
+    prob = torch.softmax(logits.float(), dim=-1).gather(-1, seq[:, 1:, None])[..., 0]
+    ul = -(torch.log((1 - prob).clamp(min=1e-5)) * mask).sum() / (seq.shape[0] * new_tokens)
+    return ul, mask[:, p_len - 1 :].float().mean().item()
+
+
+def seq_ul_prefixes(data: "Batches", batch: torch.Tensor, step: int, max_len: int) -> torch.Tensor:
+    """Prefixes for a sequence-level UL step: length 2..max_len (cycling with the step: short prompts loop
+    most), half of them from the batch's windows (mid-file contexts), half the first tokens of training files
+    (what a prompt like `import os` looks like: a file's start), chosen by the step. -> [B, L]"""
+    length = 2 + step % max(1, max_len - 1)
+    starts = data.file_starts(length)
+    b = batch.shape[0]
+    half = b // 2
+    pick = [(step * 7919 + 104729 * j) % len(starts) for j in range(b - half)]
+    return torch.cat([batch[:half, :length], starts[pick]], dim=0)
+
+
 # -- training -----------------------------------------------------------------------------------
-def train(args, target, draft, data) -> dict:
-    """Joint phase (both train on the same batch), then draft-only distillation from the frozen target."""
+def save_checkpoint(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)  # atomic: a run killed while saving leaves the previous checkpoint
+
+
+class SegmentDone(Exception):
+    """The segment's time is up; the checkpoint is saved. Re-run the same command to resume."""
+
+
+def train(args, target, draft, data: Batches) -> dict:
+    """Joint phase (both train on the same batch), then draft-only distillation from the frozen target.
+    With --checkpoint: state saved (models, optimizers, step, log) once a segment has run --segment-s, then
+    SegmentDone; a re-run resumes at the saved step with the same batches."""
     opt_t, opt_d = Optimizer(target, args.lr), Optimizer(draft, args.lr * 1.5)
     warmup = max(1, min(30, args.steps // 10))
-    log = {"joint": [], "distill": []}
+    log = {"joint": [], "distill": [], "train_s": 0.0}
+    start = 0  # global step: joint steps 0..steps-1, then distillation steps
+    ckpt = Path(args.checkpoint) if args.checkpoint else None
+    if ckpt is not None and ckpt.exists():
+        st = torch.load(ckpt, weights_only=False)
+        if st["args"] != checkpoint_args(args):
+            raise SystemExit(f"{ckpt} was written with other arguments {st['args']}; delete it or use those")
+        target.load_state_dict(st["target"])
+        draft.load_state_dict(st["draft"])
+        for o, sd in zip(opt_t.opts + opt_d.opts, st["opts"]):
+            o.load_state_dict(sd)
+        start, log = st["step"], st["log"]
+        print(f"resumed from {ckpt} at step {start} ({log['train_s']:.0f}s trained)", flush=True)
     t0 = time.time()
-    for step in range(args.steps):
-        batch = next(data)  # [B, S+1]
+    trained0 = log["train_s"]
+
+    seq_end = args.steps + args.seq_ul_steps  # global steps: joint, then sequence-level UL, then distillation
+    last = seq_end + args.distill_steps
+
+    def maybe_checkpoint(next_step: int) -> None:
+        log["train_s"] = round(trained0 + time.time() - t0, 1)
+        if ckpt is None or time.time() - t0 < args.segment_s or next_step >= last:
+            return
+        save_checkpoint(ckpt, {"args": checkpoint_args(args), "step": next_step, "log": log,
+                               "target": target.state_dict(), "draft": draft.state_dict(),
+                               "opts": [o.state_dict() for o in opt_t.opts + opt_d.opts]})
+        raise SegmentDone(f"checkpoint {ckpt} at step {next_step}")
+
+    for step in range(start, args.steps):
+        batch = data.batch(args.skip_batches + step)  # [B, S+1]
         x, y = batch[:, :-1], batch[:, 1:].reshape(-1)
         t_logits = target(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)  # [B*S, V]
         t_loss = F.cross_entropy(t_logits, y)
-        opt_t.step(t_loss, lr_at(step, args.steps, opt_t.peak, warmup))
+        t_obj = t_loss
+        if args.unlikelihood:
+            ul = unlikelihood(t_logits.view(*x.shape, VOCAB), x, batch[:, 1:], args.ul_window)
+            t_obj = t_loss + args.unlikelihood * ul
+        opt_t.step(t_obj, lr_at(step, args.steps, opt_t.peak, warmup))
         d_logits = draft(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
         d_ce = F.cross_entropy(d_logits, y)
         d_loss = (1 - args.kl_weight) * d_ce + args.kl_weight * kl_to(t_logits.detach(), d_logits)
         opt_d.step(d_loss, lr_at(step, args.steps, opt_d.peak, warmup))
         if step % 20 == 0 or step == args.steps - 1:
             el = time.time() - t0
-            eta = el / (step + 1) * (args.steps - step - 1)
-            print(f"joint {step:4d}/{args.steps} target ce {t_loss.item():.3f} draft ce {d_ce.item():.3f} "
+            eta = el / (step + 1 - start) * (args.steps - step - 1)
+            ul_s = f" ul {ul.item():.3f}" if args.unlikelihood else ""
+            print(f"joint {step:4d}/{args.steps} target ce {t_loss.item():.3f}{ul_s} draft ce {d_ce.item():.3f} "
                   f"elapsed {el:.0f}s eta {eta:.0f}s", flush=True)
-            log["joint"].append({"step": step, "target_ce": round(t_loss.item(), 4), "draft_ce": round(d_ce.item(), 4)})
+            entry = {"step": step, "target_ce": round(t_loss.item(), 4), "draft_ce": round(d_ce.item(), 4)}
+            if args.unlikelihood:
+                entry["target_ul"] = round(ul.item(), 4)
+            log["joint"].append(entry)
+        maybe_checkpoint(step + 1)
+    log.setdefault("seq_ul", [])
+    for step in range(max(0, start - args.steps), args.seq_ul_steps):
+        # Welleck et al. 2019 sec. 5.2: alternate a sequence-level UL update on the model's own greedy
+        # continuations with an MLE (+ token-level UL) update; constant LR, a quarter of the peak
+        batch = data.batch(args.skip_batches + args.steps + step)  # [B, S+1]
+        lr = opt_t.peak * 0.25
+        s_ul, rep = sequence_unlikelihood(target, seq_ul_prefixes(data, batch, step, args.seq_ul_prefix),
+                                          args.seq_ul_len)
+        opt_t.step(s_ul, lr)
+        x, y = batch[:, :-1], batch[:, 1:]
+        t_logits = target(input_ids=x, use_cache=False).logits
+        t_loss = F.cross_entropy(t_logits.reshape(-1, VOCAB), y.reshape(-1))
+        obj = t_loss + args.unlikelihood * unlikelihood(t_logits, x, y, args.ul_window) if args.unlikelihood else t_loss
+        opt_t.step(obj, lr)
+        if step % 10 == 0 or step == args.seq_ul_steps - 1:
+            print(f"seq-ul {step:4d}/{args.seq_ul_steps} repeating share {rep:.3f} seq ul {s_ul.item():.3f} "
+                  f"target ce {t_loss.item():.3f} elapsed {time.time() - t0:.0f}s", flush=True)
+            log["seq_ul"].append({"step": step, "repeat_share": round(rep, 4), "seq_ul": round(s_ul.item(), 4),
+                                  "target_ce": round(t_loss.item(), 4)})
+        maybe_checkpoint(args.steps + step + 1)
     target.eval()
     peak = opt_d.peak * 0.5
-    for step in range(args.distill_steps):
-        x = next(data)[:, :-1]
+    for step in range(max(0, start - seq_end), args.distill_steps):
+        x = data.batch(args.skip_batches + seq_end + step)[:, :-1]
         with torch.no_grad():
             t_logits = target(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
         d_loss = kl_to(t_logits, draft(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB))
@@ -228,8 +403,16 @@ def train(args, target, draft, data) -> dict:
             print(f"distill {step:4d}/{args.distill_steps} kl {d_loss.item():.3f} "
                   f"elapsed {time.time() - t0:.0f}s", flush=True)
             log["distill"].append({"step": step, "kl": round(d_loss.item(), 4)})
-    log["train_s"] = round(time.time() - t0, 1)
+        maybe_checkpoint(seq_end + step + 1)
+    log["train_s"] = round(trained0 + time.time() - t0, 1)
     return log
+
+
+def checkpoint_args(args) -> dict:
+    """The arguments a checkpoint must agree with to be resumed (not --segment-s, --out, --threads)."""
+    keep = ("seed", "steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight", "init", "skip_batches",
+            "unlikelihood", "ul_window", "seq_ul_steps", "seq_ul_prefix", "seq_ul_len")
+    return {k: getattr(args, k) for k in keep}
 
 
 # -- evaluation ---------------------------------------------------------------------------------
@@ -267,8 +450,16 @@ def evaluate(target, draft, heldout: torch.Tensor, batch_size: int) -> dict:
     return {"positions": n, "target": side(t_nll, t_hit), "draft": side(d_nll, d_hit), "agreement": round(agree / n, 4)}
 
 
-def samples(model_dir: Path, max_new_tokens: int = 48) -> list[dict]:
-    """Greedy continuations from the saved directory (HF generate, fp32 compute)."""
+def distinct_ngram_ratio(tokens: list[int], n: int = 4) -> float:
+    """Distinct n-grams / n-grams of a token sequence: 1.0 = no n-gram repeats; a greedy loop of period p
+    drives it toward p / len."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def samples(model_dir: Path, max_new_tokens: int = 64) -> list[dict]:
+    """Greedy continuations from the saved directory (HF generate, fp32 compute), each with its distinct-4gram
+    ratio (the repetition check of docs/demo_model.md: over exactly max_new_tokens tokens, EOS not stopping)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -276,8 +467,11 @@ def samples(model_dir: Path, max_new_tokens: int = 48) -> list[dict]:
     out = []
     for prompt in SAMPLE_PROMPTS:
         ids = tok(prompt, return_tensors="pt").input_ids
-        gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        out.append({"prompt": prompt, "completion": tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=False)})
+        gen = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=EOS_ID)
+        new = gen[0, ids.shape[1] :].tolist()
+        out.append({"prompt": prompt, "completion": tok.decode(new, skip_special_tokens=False),
+                    "distinct_4gram": round(distinct_ngram_ratio(new), 4)})
     return out
 
 
@@ -306,10 +500,15 @@ def main(argv=None) -> int:
     held = held[torch.linspace(0, len(held) - 1, min(args.eval_windows, len(held))).long()]  # evenly spaced
     print(f"train windows {len(train_w)} x {args.seq_len + 1}, held-out eval windows {len(held)}", flush=True)
 
-    target, draft = build(TARGET), build(DRAFT)
+    init = Path(args.init) if args.init else None
+    target = build(TARGET, init / "demo" if init else None)
+    draft = build(DRAFT, init / "demo-draft" if init else None)
     print(f"params: target {num_params(target):,} draft {num_params(draft):,}", flush=True)
-    gen = torch.Generator().manual_seed(args.seed)
-    log = train(args, target, draft, batches(train_w, args.batch_size, gen))
+    try:
+        log = train(args, target, draft, Batches(train_w, args.batch_size, args.seed))
+    except SegmentDone as e:
+        print(f"segment done: {e}; run the same command again to resume", flush=True)
+        return 3
     round_to_bf16(target)
     round_to_bf16(draft)
     t_eval = time.time()
@@ -326,9 +525,11 @@ def main(argv=None) -> int:
         "command": command,
         "seed": args.seed,
         "corpus": "Python stdlib .py files, tests excluded; every 10th file (sorted) held out",
-        "train_tokens_seen": (args.steps + args.distill_steps) * args.batch_size * args.seq_len,
+        "train_tokens_seen": (args.steps + args.seq_ul_steps + args.distill_steps) * args.batch_size * args.seq_len,
+        "init": args.init,
         "train_windows": len(train_w),
-        "hyperparameters": {k: getattr(args, k) for k in ("steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight")},
+        "hyperparameters": {k: getattr(args, k) for k in ("steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight",
+                                                           "unlikelihood", "ul_window", "seq_ul_steps")},
         "heldout_eval": metrics,
         "train_log": log,
         "torch": torch.__version__,
@@ -337,6 +538,8 @@ def main(argv=None) -> int:
         summary = {"role": role, "params": num_params(model), **common}
         if role == "target":
             summary["samples"] = samples(dirs["target"])
+            summary["greedy_distinct_4gram_mean"] = round(
+                sum(x["distinct_4gram"] for x in summary["samples"]) / len(summary["samples"]), 4)
         summary["wall_s"] = round(time.time() - t_start, 1)
         (dirs[role] / "training_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {dirs['target']} and {dirs['draft']} in {time.time() - t_start:.0f}s", flush=True)

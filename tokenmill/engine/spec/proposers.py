@@ -91,11 +91,16 @@ class DraftModelProposer:
     has_kv = True
     last_catchup = 0  # the last proposal's longest catch-up (tokens the draft had not seen)
 
-    def __init__(self, runner, vocab_size: int):
+    def __init__(self, runner, vocab_size: int, fast_loop: bool = True):
+        from tokenmill.engine.spec.draft_loop import GreedyDraftLoop
+
         self.runner = runner
         self.vocab_size = vocab_size
         self.computed: dict[str, tuple[int, int]] = {}  # rid -> (num_preemptions when computed, draft KV tokens)
         self.default_gen = torch.Generator().manual_seed(0)
+        # greedy proposals of few rows: the k steps without the runner's per-step rebuild (spec/draft_loop.py)
+        self.loop = GreedyDraftLoop.build(runner) if fast_loop else None
+        self.num_fast = 0  # proposals (batches) the loop ran
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], gens) -> tuple[list[int], list[torch.Tensor | None]]:
         toks, probs = logits.argmax(dim=-1).tolist(), [None] * len(reqs)
@@ -109,18 +114,31 @@ class DraftModelProposer:
             probs[i] = q
         return toks, probs
 
-    def propose(self, reqs: list[Request], ks: list[int], seqs: list[ScheduledSeq], gens) -> list[Draft]:
-        tokens: list[list[int]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        first = []
-        self.last_catchup = 0
-        for r, s in zip(reqs, seqs):
+    def _starts(self, reqs: list[Request]) -> list[int]:
+        """Per request: draft KV is valid for positions [0, start) (at most up to the newest token)."""
+        out = []
+        for r in reqs:
             pre, n = self.computed.get(r.request_id, (r.num_preemptions, 0))
             if pre != r.num_preemptions:
                 n = 0
-            n = min(n, r.num_tokens - 1)
+            out.append(min(n, r.num_tokens - 1))
+        return out
+
+    def propose(self, reqs: list[Request], ks: list[int], seqs: list[ScheduledSeq], gens) -> list[Draft]:
+        starts = self._starts(reqs)
+        self.last_catchup = max(r.num_tokens - n for r, n in zip(reqs, starts))
+        loop = self.loop
+        if loop is not None and loop.covers(reqs, [r.num_tokens - n for r, n in zip(reqs, starts)]):
+            tokens = loop.propose(reqs, ks, seqs, starts)
+            self.num_fast += 1
+            for r, k in zip(reqs, ks):
+                self.computed[r.request_id] = (r.num_preemptions, r.num_tokens + k - 1)
+            return [Draft(t) for t in tokens]
+        tokens: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        first = []
+        for r, s, n in zip(reqs, seqs, starts):
             toks = r.all_token_ids[n:]
-            self.last_catchup = max(self.last_catchup, len(toks))
             # a short catch-up (1-2 tokens after a verification) takes the runner's decode-kernel path: logits
             # for each of its tokens (the last one is used); a long one (the first proposal) is a prefill
             short = len(toks) <= 16
