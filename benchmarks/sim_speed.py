@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -54,7 +55,14 @@ def main() -> None:
     ap.add_argument("--per-worker-rate", type=float, default=1.5, help="requests/s per worker")
     ap.add_argument("--out", default="/tmp/sim_speed")
     ap.add_argument("--stepping", action="store_true", help="also run every size with fast-forward off")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="simulated KV block tokens (default: tokenmill sim's auto, the trace's 512)")
+    ap.add_argument("--compare-block-size", type=int, default=None, metavar="N",
+                    help="instead of --stepping: also run every size with N-token KV blocks (and the router's "
+                         "prefix chunks at N), same trace, to show the block size's effect on speed and results")
     args = ap.parse_args()
+    if args.stepping and args.compare_block_size:
+        ap.error("--stepping and --compare-block-size: one comparison per run")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sizes = [int(w) for w in args.workers.split(",")]
@@ -66,24 +74,46 @@ def main() -> None:
     rows = []
     for w in sizes:
         runs = []
-        for ff in ((True, False) if args.stepping else (True,)):
+        variants = [(True, args.block_size)] + ([(False, args.block_size)] if args.stepping else []) + \
+            ([(True, args.compare_block_size)] if args.compare_block_size else [])
+        for ff, bs in variants:
             cfg = SimConfig(model="llama-3.1-8b", hardware="h100", out=out / f"w{w}", workers=w,
                             router=RouterConfig(), workloads=(f"trace:{trace}",),
                             load=LoadConfig("rate", rate=w * args.per_worker_rate, duration_s=args.duration),
-                            plots=False, record_chunks=False, fast_forward=ff)
+                            plots=False, record_chunks=False, fast_forward=ff, block_size=bs)
+            t0 = time.perf_counter()
             result, sim = run_simulation(cfg)
-            runs.append((result, sim["levels"][0]))
+            lvl = dict(sim["levels"][0], total_s=time.perf_counter() - t0, block_size=sim["worker"]["block_size"])
+            runs.append((result, lvl))
         (result, lvl), s = runs[0], runs[0][0].runs[0].summary
-        step = runs[1] if args.stepping else None
-        same = step is not None and [r.to_json() for r in result.runs[0].records] == \
-            [r.to_json() for r in step[0].runs[0].records]
+        other = runs[1] if len(runs) > 1 else None
+        same = other is not None and [r.to_json() for r in result.runs[0].records] == \
+            [r.to_json() for r in other[0].runs[0].records]
         rows.append((w, s.requests, lvl["steps"], lvl["events"], lvl["wall_s"], lvl["simulated_s"], s,
-                     step[1] if step else None, same))
+                     other, same, lvl, result))
+    print(f"KV block size {rows[0][9]['block_size']} tokens" + (f" (compared: {args.compare_block_size})"
+                                                               if args.compare_block_size else ""))
+    if args.compare_block_size:
+        print("\n| workers | requests | wall s | events/s | with build s | completed | TTFT p50 ms | TTFT p90 ms | "
+              f"TPOT p50 ms | hit % | {args.compare_block_size}-token blocks: wall s | with build s | completed | "
+              "TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | hit % | x faster (loop) |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for w, req, steps, ev, wall, simulated, s, other, same, lvl, res in rows:
+            ol = other[1]
+
+            def cols(x, t):
+                hit = 100 * sum(r.cached_tokens or 0 for r in x.records) / max(1, sum(r.prompt_tokens for r in x.records))
+                m = x.summary
+                return (f"{m.completed} | {m.ttft_ms.p50 if m.ttft_ms else 0:.0f} | {m.ttft_ms.p90 if m.ttft_ms else 0:.0f}"
+                        f" | {m.tpot_ms.p50 if m.tpot_ms else 0:.2f} | {hit:.1f}")
+            print(f"| {w} | {req} | {wall:.1f} | {ev / wall:.0f} | {lvl['total_s']:.1f} | {cols(res.runs[0], lvl)} | "
+                  f"{ol['wall_s']:.1f} | {ol['total_s']:.1f} | {cols(other[0].runs[0], ol)} | {ol['wall_s'] / wall:.1f} |")
     print("\n| workers | requests | engine steps | events | wall s | events/s | steps/s | simulated s | "
           "sim-s per wall-s | completed | TTFT p50 ms | TPOT p50 ms | stepping: events | wall s | x faster | "
           "same results |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for w, req, steps, ev, wall, simulated, s, step, same in rows:
+    for w, req, steps, ev, wall, simulated, s, other, same, lvl, _ in rows:
+        step = other[1] if other and args.stepping else None
         st = (f"{step['events']} | {step['wall_s']:.1f} | {step['wall_s'] / wall:.1f} | {'yes' if same else 'NO'}"
               if step else "- | - | - | -")
         print(f"| {w} | {req} | {steps} | {ev} | {wall:.1f} | {ev / wall:.0f} | {steps / wall:.0f} | "
