@@ -15,11 +15,15 @@ blocks (the rest unique) -- written to --out. The model/hardware: Llama-3.1-8B o
 and the target is extrapolated from the fit (with the events and requests per worker-second measured).
 `--stepping`: each size also runs with fast-forward off (every decode step an event), same trace, and the
 table gets the wall-time ratio and a check that both runs gave the same per-request results.
+`--compare-block-size 16`: each size also runs with 16-token KV blocks (the default for this trace is its
+512-token hash block, `tokenmill sim`'s auto), side by side: wall time and the simulated results.
+`--split`: where the event loop's time goes per request (router decision, trace planning, hashing).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import time
@@ -48,6 +52,33 @@ def write_trace(path: Path, n: int, seed: int = 0) -> None:
             f.write(json.dumps({"timestamp": i * 1000, "input_length": inp, "output_length": out, "hash_ids": ids}) + "\n")
 
 
+SPLIT_LABELS = {  # (module, class or None, attribute) -> label; router.snapshot is inside router.decide
+    ("tokenmill.router.router", "Router", "decide"): "router.decide",
+    ("tokenmill.router.router", "Router", "snapshot"): "router.snapshot",
+    ("tokenmill.bench.workloads.trace", "Trace", "session"): "trace planning",
+    ("tokenmill.sim.cluster", None, "chunk_hashes"): "router chunk hashes",
+    ("tokenmill.sim.worker", "SimWorker", "cached_prefix_tokens"): "dispatch prefix lookup",
+}
+
+
+def _instrument(acc: collections.Counter) -> None:
+    import importlib
+
+    for (mod, cls, attr), label in SPLIT_LABELS.items():
+        owner = importlib.import_module(mod)
+        owner = getattr(owner, cls) if cls else owner
+        fn = getattr(owner, attr)
+
+        def timed(*a, _fn=fn, _label=label, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_label] += time.perf_counter() - t
+
+        setattr(owner, attr, timed)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", default="4,16,64")
@@ -60,6 +91,9 @@ def main() -> None:
     ap.add_argument("--compare-block-size", type=int, default=None, metavar="N",
                     help="instead of --stepping: also run every size with N-token KV blocks (and the router's "
                          "prefix chunks at N), same trace, to show the block size's effect on speed and results")
+    ap.add_argument("--split", action="store_true",
+                    help="time the router's decision (snapshot, policy, admission), trace planning and chunk hashing "
+                         "per request (wrappers around them: adds a little overhead) and print where the time goes")
     args = ap.parse_args()
     if args.stepping and args.compare_block_size:
         ap.error("--stepping and --compare-block-size: one comparison per run")
@@ -71,7 +105,9 @@ def main() -> None:
     write_trace(trace, n)
     print(f"ISA: {capabilities().summary()}")
     print(f"python {sys.version.split()[0]}; trace {trace} ({n} rows)")
-    rows = []
+    rows, split, splits = [], collections.Counter(), []
+    if args.split:
+        _instrument(split)
     for w in sizes:
         runs = []
         variants = [(True, args.block_size)] + ([(False, args.block_size)] if args.stepping else []) + \
@@ -81,8 +117,11 @@ def main() -> None:
                             router=RouterConfig(), workloads=(f"trace:{trace}",),
                             load=LoadConfig("rate", rate=w * args.per_worker_rate, duration_s=args.duration),
                             plots=False, record_chunks=False, fast_forward=ff, block_size=bs)
+            split.clear()
             t0 = time.perf_counter()
             result, sim = run_simulation(cfg)
+            if args.split and (ff, bs) == variants[0]:
+                splits.append((w, result.runs[0].summary.requests, sim["levels"][0]["wall_s"], dict(split)))
             lvl = dict(sim["levels"][0], total_s=time.perf_counter() - t0, block_size=sim["worker"]["block_size"])
             runs.append((result, lvl))
         (result, lvl), s = runs[0], runs[0][0].runs[0].summary
@@ -119,6 +158,16 @@ def main() -> None:
         print(f"| {w} | {req} | {steps} | {ev} | {wall:.1f} | {ev / wall:.0f} | {steps / wall:.0f} | "
               f"{simulated:.0f} | {simulated / wall:.2f} | {s.completed} | {s.ttft_ms.p50 if s.ttft_ms else 0:.0f} | "
               f"{s.tpot_ms.p50 if s.tpot_ms else 0:.1f} | {st} |")
+    if splits:
+        print("\nwhere the event loop's time goes, per request (us; --split):\n")
+        labels = list(SPLIT_LABELS.values())
+        print("| workers | loop ms/request | " + " | ".join(labels) + " | other (engine, events) | routing per worker |")
+        print("|---:|---:|" + "---:|" * (len(labels) + 2))
+        for w, req, wall, acc in splits:
+            per = {k: 1e6 * acc.get(k, 0.0) / req for k in labels}
+            other = 1e6 * wall / req - sum(v for k, v in per.items() if k != "router.snapshot")
+            print(f"| {w} | {1e3 * wall / req:.2f} | " + " | ".join(f"{per[k]:.0f}" for k in labels) +
+                  f" | {other:.0f} | {per['router.decide'] / w:.1f} |")
     x = np.array([[ev, req, req * w] for w, req, steps, ev, *_ in rows], dtype=float)
     y = np.array([r[4] for r in rows])
     from tokenmill.sim.cost_model import nnls
