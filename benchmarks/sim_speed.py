@@ -15,13 +15,18 @@ blocks (the rest unique) -- written to --out. The model/hardware: Llama-3.1-8B o
 and the target is extrapolated from the fit (with the events and requests per worker-second measured).
 `--stepping`: each size also runs with fast-forward off (every decode step an event), same trace, and the
 table gets the wall-time ratio and a check that both runs gave the same per-request results.
+`--compare-block-size 16`: each size also runs with 16-token KV blocks (the default for this trace is its
+512-token hash block, `tokenmill sim`'s auto), side by side: wall time and the simulated results.
+`--split`: where the event loop's time goes per request (router decision, trace planning, hashing).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +52,33 @@ def write_trace(path: Path, n: int, seed: int = 0) -> None:
             f.write(json.dumps({"timestamp": i * 1000, "input_length": inp, "output_length": out, "hash_ids": ids}) + "\n")
 
 
+SPLIT_LABELS = {  # (module, class or None, attribute) -> label; router.snapshot is inside router.decide
+    ("tokenmill.router.router", "Router", "decide"): "router.decide",
+    ("tokenmill.router.router", "Router", "snapshot"): "router.snapshot",
+    ("tokenmill.bench.workloads.trace", "Trace", "session"): "trace planning",
+    ("tokenmill.sim.cluster", None, "chunk_hashes"): "router chunk hashes",
+    ("tokenmill.sim.worker", "SimWorker", "cached_prefix_tokens"): "dispatch prefix lookup",
+}
+
+
+def _instrument(acc: collections.Counter) -> None:
+    import importlib
+
+    for (mod, cls, attr), label in SPLIT_LABELS.items():
+        owner = importlib.import_module(mod)
+        owner = getattr(owner, cls) if cls else owner
+        fn = getattr(owner, attr)
+
+        def timed(*a, _fn=fn, _label=label, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_label] += time.perf_counter() - t
+
+        setattr(owner, attr, timed)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", default="4,16,64")
@@ -54,7 +86,17 @@ def main() -> None:
     ap.add_argument("--per-worker-rate", type=float, default=1.5, help="requests/s per worker")
     ap.add_argument("--out", default="/tmp/sim_speed")
     ap.add_argument("--stepping", action="store_true", help="also run every size with fast-forward off")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="simulated KV block tokens (default: tokenmill sim's auto, the trace's 512)")
+    ap.add_argument("--compare-block-size", type=int, default=None, metavar="N",
+                    help="instead of --stepping: also run every size with N-token KV blocks (and the router's "
+                         "prefix chunks at N), same trace, to show the block size's effect on speed and results")
+    ap.add_argument("--split", action="store_true",
+                    help="time the router's decision (snapshot, policy, admission), trace planning and chunk hashing "
+                         "per request (wrappers around them: adds a little overhead) and print where the time goes")
     args = ap.parse_args()
+    if args.stepping and args.compare_block_size:
+        ap.error("--stepping and --compare-block-size: one comparison per run")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sizes = [int(w) for w in args.workers.split(",")]
@@ -63,32 +105,69 @@ def main() -> None:
     write_trace(trace, n)
     print(f"ISA: {capabilities().summary()}")
     print(f"python {sys.version.split()[0]}; trace {trace} ({n} rows)")
-    rows = []
+    rows, split, splits = [], collections.Counter(), []
+    if args.split:
+        _instrument(split)
     for w in sizes:
         runs = []
-        for ff in ((True, False) if args.stepping else (True,)):
+        variants = [(True, args.block_size)] + ([(False, args.block_size)] if args.stepping else []) + \
+            ([(True, args.compare_block_size)] if args.compare_block_size else [])
+        for ff, bs in variants:
             cfg = SimConfig(model="llama-3.1-8b", hardware="h100", out=out / f"w{w}", workers=w,
                             router=RouterConfig(), workloads=(f"trace:{trace}",),
                             load=LoadConfig("rate", rate=w * args.per_worker_rate, duration_s=args.duration),
-                            plots=False, record_chunks=False, fast_forward=ff)
+                            plots=False, record_chunks=False, fast_forward=ff, block_size=bs)
+            split.clear()
+            t0 = time.perf_counter()
             result, sim = run_simulation(cfg)
-            runs.append((result, sim["levels"][0]))
+            if args.split and (ff, bs) == variants[0]:
+                splits.append((w, result.runs[0].summary.requests, sim["levels"][0]["wall_s"], dict(split)))
+            lvl = dict(sim["levels"][0], total_s=time.perf_counter() - t0, block_size=sim["worker"]["block_size"])
+            runs.append((result, lvl))
         (result, lvl), s = runs[0], runs[0][0].runs[0].summary
-        step = runs[1] if args.stepping else None
-        same = step is not None and [r.to_json() for r in result.runs[0].records] == \
-            [r.to_json() for r in step[0].runs[0].records]
+        other = runs[1] if len(runs) > 1 else None
+        same = other is not None and [r.to_json() for r in result.runs[0].records] == \
+            [r.to_json() for r in other[0].runs[0].records]
         rows.append((w, s.requests, lvl["steps"], lvl["events"], lvl["wall_s"], lvl["simulated_s"], s,
-                     step[1] if step else None, same))
+                     other, same, lvl, result))
+    print(f"KV block size {rows[0][9]['block_size']} tokens" + (f" (compared: {args.compare_block_size})"
+                                                               if args.compare_block_size else ""))
+    if args.compare_block_size:
+        print("\n| workers | requests | wall s | events/s | with build s | completed | TTFT p50 ms | TTFT p90 ms | "
+              f"TPOT p50 ms | hit % | {args.compare_block_size}-token blocks: wall s | with build s | completed | "
+              "TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | hit % | x faster (loop) |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for w, req, steps, ev, wall, simulated, s, other, same, lvl, res in rows:
+            ol = other[1]
+
+            def cols(x, t):
+                hit = 100 * sum(r.cached_tokens or 0 for r in x.records) / max(1, sum(r.prompt_tokens for r in x.records))
+                m = x.summary
+                return (f"{m.completed} | {m.ttft_ms.p50 if m.ttft_ms else 0:.0f} | {m.ttft_ms.p90 if m.ttft_ms else 0:.0f}"
+                        f" | {m.tpot_ms.p50 if m.tpot_ms else 0:.2f} | {hit:.1f}")
+            print(f"| {w} | {req} | {wall:.1f} | {ev / wall:.0f} | {lvl['total_s']:.1f} | {cols(res.runs[0], lvl)} | "
+                  f"{ol['wall_s']:.1f} | {ol['total_s']:.1f} | {cols(other[0].runs[0], ol)} | {ol['wall_s'] / wall:.1f} |")
     print("\n| workers | requests | engine steps | events | wall s | events/s | steps/s | simulated s | "
           "sim-s per wall-s | completed | TTFT p50 ms | TPOT p50 ms | stepping: events | wall s | x faster | "
           "same results |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for w, req, steps, ev, wall, simulated, s, step, same in rows:
+    for w, req, steps, ev, wall, simulated, s, other, same, lvl, _ in rows:
+        step = other[1] if other and args.stepping else None
         st = (f"{step['events']} | {step['wall_s']:.1f} | {step['wall_s'] / wall:.1f} | {'yes' if same else 'NO'}"
               if step else "- | - | - | -")
         print(f"| {w} | {req} | {steps} | {ev} | {wall:.1f} | {ev / wall:.0f} | {steps / wall:.0f} | "
               f"{simulated:.0f} | {simulated / wall:.2f} | {s.completed} | {s.ttft_ms.p50 if s.ttft_ms else 0:.0f} | "
               f"{s.tpot_ms.p50 if s.tpot_ms else 0:.1f} | {st} |")
+    if splits:
+        print("\nwhere the event loop's time goes, per request (us; --split):\n")
+        labels = list(SPLIT_LABELS.values())
+        print("| workers | loop ms/request | " + " | ".join(labels) + " | other (engine, events) | routing per worker |")
+        print("|---:|---:|" + "---:|" * (len(labels) + 2))
+        for w, req, wall, acc in splits:
+            per = {k: 1e6 * acc.get(k, 0.0) / req for k in labels}
+            other = 1e6 * wall / req - sum(v for k, v in per.items() if k != "router.snapshot")
+            print(f"| {w} | {1e3 * wall / req:.2f} | " + " | ".join(f"{per[k]:.0f}" for k in labels) +
+                  f" | {other:.0f} | {per['router.decide'] / w:.1f} |")
     x = np.array([[ev, req, req * w] for w, req, steps, ev, *_ in rows], dtype=float)
     y = np.array([r[4] for r in rows])
     from tokenmill.sim.cost_model import nnls

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tokenmill.bench.runner import LoadConfig
-from tokenmill.cli import main
+from tokenmill.cli import CLIError, main
 from tokenmill.router.config import RouterConfig
 from tokenmill.sim.cost_model import FEATURES, PROFILE_KIND, Calibrated, Roofline, StepShape, nnls
 from tokenmill.sim.hardware import CATALOG as HW
@@ -339,3 +339,75 @@ def test_step_budget_observe_many_is_bitwise_the_per_step_update():
             a, b = 0.98 * a + np.outer(x, x), 0.98 * b + x * s
     assert (batch._a == a).all() and (batch._b == b).all()
     assert (batch.coef == np.maximum(np.linalg.solve(a, b), [0, 0, 1e-7])).all()
+
+
+# -- simulated KV block size: the trace's granularity ------------------------------------------------
+
+def _mooncake(tmp_path: Path, rows: int = 24) -> Path:
+    """A Mooncake-format trace: every other prompt opens with one of two shared 2-block prefixes."""
+    path = tmp_path / "mc.jsonl"
+    lines, nxt = [], 1000
+    for i in range(rows):
+        n = 2 + i % 3
+        ids = ([i % 4, 100 + i % 4] if i % 2 == 0 else []) + list(range(nxt, nxt + n))
+        nxt += n
+        lines.append(json.dumps({"timestamp": 50 * i, "input_length": 512 * len(ids) - 100,
+                                 "output_length": 8, "hash_ids": ids}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_block_size_defaults_to_the_mooncake_trace_block_and_says_so(tmp_path):
+    """No --block-size: a Mooncake trace runs on 512-token KV blocks (and the router's prefix chunks follow),
+    any other workload on the engine's 16; the sim section says which and why. An explicit size wins."""
+    trace = _mooncake(tmp_path)
+    load = LoadConfig("trace")
+    res, s = sim(tmp_path, "h100", f"trace:{trace}", load, workers=2, policy="prefix", model="llama-3.1-8b")
+    assert s["worker"]["block_size"] == 512 and "Mooncake" in s["block_size_source"]
+    assert s["router"]["chunk_tokens"] == 512
+    recs = res.runs[0].records
+    assert all(r.ok for r in recs)
+    # the shared 2-block prefixes are found: the cached tokens are whole 512-token blocks, some of them hits
+    assert all((r.cached_tokens or 0) % 512 == 0 for r in recs) and sum(r.cached_tokens or 0 for r in recs) > 0
+    _, s16 = sim(tmp_path, "h100", f"trace:{trace}", load, workers=2, policy="prefix", model="llama-3.1-8b",
+                 block_size=16)
+    assert s16["worker"]["block_size"] == 16 and s16["block_size_source"] == "--block-size"
+    assert s16["router"]["chunk_tokens"] == 16
+    _, sc = sim(tmp_path, "h100", "chat", LoadConfig("rate", rate=4, num_requests=5), model="llama-3.1-8b")
+    assert sc["worker"]["block_size"] == 16 and sc["block_size_source"].startswith("auto")
+    with pytest.raises(CLIError, match="--block-size"):
+        SimConfig(model="demo", hardware="h100", out=tmp_path, block_size=0)
+
+
+def test_worker_reuses_the_dispatch_lookup_hashes(tmp_path):
+    """The block hashes the dispatch's prefix lookup computed are the request's: equal to hashing its tokens
+    from scratch, and the KV manager extends them rather than starting over."""
+    from tokenmill.engine.kv.hashing import block_hashes
+    from tokenmill.sim.clock import EventLoop
+    from tokenmill.sim.cost_model import Calibrated
+    from tokenmill.sim.worker import SimWorker, WorkerConfig
+
+    cost = Calibrated.load(profile(tmp_path, [0.002, 1e-5, 0, 0, 0, 0]))
+    w = SimWorker("w", WorkerConfig(num_blocks=64, block_size=4, max_model_len=256), cost, EventLoop(),
+                  lambda *a: None, lambda *a: None)
+    ids = list(range(7, 50))
+    assert w.add("a", ids, 2) is None
+    w.loop.run()  # "a" ran: its blocks are cached
+    prompt = ids + [9000, 9001, 9002]
+    hashes: list[int] = []
+    assert w.cached_prefix_tokens(prompt, hashes) == 40
+    assert len(hashes) >= 10 and hashes == block_hashes(prompt[:4 * len(hashes)], 4)
+    assert w.add("b", prompt, 2, block_hashes=hashes) is None
+    req = w.scheduler.requests["b"]
+    assert req.block_hashes is hashes  # taken over, not recomputed
+    w.loop.run()
+    assert req.num_cached_tokens == 40
+    assert req.block_hashes[:11] == block_hashes(prompt[:44], 4)
+
+
+def test_router_chunk_hashes_of_a_numpy_prompt_equal_the_list_ones():
+    from tokenmill.router.prefix_index import chunk_hashes
+
+    ids = np.random.default_rng(0).integers(0, 150_000, 1000)
+    for chunk in (1, 16, 512):
+        assert chunk_hashes(ids, chunk) == chunk_hashes(ids.tolist(), chunk) == chunk_hashes(tuple(ids.tolist()), chunk)

@@ -43,8 +43,9 @@ class PrefixIndexConfig:
             raise ValueError(f"prefix index shrink must be in (0, 1), got {self.shrink}")
 
 
-def chunk_hashes(prompt: str | list[int] | tuple[int, ...], chunk: int) -> tuple[bytes, ...]:
-    """Chained hashes of the full `chunk`-sized chunks of a prompt (text or token ids)."""
+def chunk_hashes(prompt, chunk: int) -> tuple[bytes, ...]:
+    """Chained hashes of the full `chunk`-sized chunks of a prompt (text, or token ids: a list, tuple or
+    1-D numpy array of ints; each id hashed as 4 bytes little-endian)."""
     hashes: list[bytes] = []
     parent = b""
     full = len(prompt) - len(prompt) % chunk
@@ -62,6 +63,8 @@ def chunk_hashes(prompt: str | list[int] | tuple[int, ...], chunk: int) -> tuple
 
 
 def _ids_bytes(ids) -> bytes:
+    if hasattr(ids, "astype"):  # a numpy array of ids (the simulator's prompts): the same bytes, ~10x faster
+        return ids.astype("<i4").tobytes()
     return struct.pack(f"<{len(ids)}i", *ids)
 
 

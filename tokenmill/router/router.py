@@ -168,6 +168,8 @@ class Router:
         estimate. A caller that can look into the worker's cache (the server over its own engine) overrides
         this and `remember`."""
         n = self.index.match(w.url, ctx.key.hashes, now) if w.healthy else 0
+        if n == 0:  # (hit_tokens of no chunk is 0: skipped for the many workers without a hit)
+            return 0, 0
         return self.tokens.hit_tokens(ctx.key, n, ctx.prompt_tokens), n
 
     def remember(self, url: str, ctx: RequestCtx, now: float) -> None:

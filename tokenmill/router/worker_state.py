@@ -209,14 +209,17 @@ class WorkerState:
 
     def view(self, cached_prefix_tokens: int = 0, now: float | None = None) -> WorkerView:
         r = self.rates
-        deadline = min((f.ttft_deadline_s for f in self._pending.values()), default=None)
-        slack = None if deadline is None or now is None or deadline == float("inf") else deadline - now
+        prefill, tpot = r.prefill, r.tpot  # (the fields WorkerRates' properties read: a view per worker per decision)
+        pending = self._pending
+        deadline = min([f.ttft_deadline_s for f in pending.values()]) if pending else None
+        slack = None if deadline is None or now is None or deadline == math.inf else deadline - now
         return WorkerView(
             url=self.url, healthy=self.healthy, outstanding=self.outstanding,
-            prefill_tokens=max(0, self.prefill_tokens), prefill_requests=len(self._pending), decode_streams=self.decode_streams,
-            decode_tokens=max(0, self.decode_tokens), decode_rate_tps=r.decode_rate_tps,
-            cached_prefix_tokens=cached_prefix_tokens, ttft_base_s=r.ttft_base_s, prefill_rate_tps=r.prefill_rate_tps,
-            ttft_calibration=self.ttft_calibration, tpot_base_s=r.tpot_base_s, tpot_per_stream_s=r.tpot_per_stream_s, rate_samples=r.prefill.samples,
+            prefill_tokens=max(0, self.prefill_tokens), prefill_requests=len(pending), decode_streams=self.decode_streams,
+            decode_tokens=max(0, self.decode_tokens), decode_rate_tps=r.decode.tps,
+            cached_prefix_tokens=cached_prefix_tokens, ttft_base_s=prefill.overhead_s, prefill_rate_tps=prefill.rate_tps,
+            ttft_calibration=self.ttft_calibration, tpot_base_s=tpot.a, tpot_per_stream_s=tpot.b,
+            rate_samples=prefill.samples,
             reported_running=self.reported_running, reported_waiting=self.reported_waiting, kv_usage=self.kv_usage,
             observed_ttft_s=self.observed_ttft.value, draining=self.draining, pending_slack_s=slack,
             external_prefill_tokens=self.external_prefill_tokens, ttft_error_hi=self.ttft_error_hi.value, ttft_error_lo=self.ttft_error_lo.value,

@@ -46,7 +46,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--mbu", type=float, default=0.8, help="share of peak HBM bandwidth (roofline)")
     g.add_argument("--step-overhead-ms", type=float, default=2.0, help="per-step overhead (roofline)")
     g.add_argument("--kv-cache-bytes", help="KV cache per worker (default: the profile's engine, or HBM left)")
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, help="tokens per simulated KV block (default: 16, or a Mooncake "
+                   "trace's 512-token hash block for `--workload trace:` of one: it names sharing no finer)")
     g.add_argument("--max-num-batched-tokens", type=int, help="per-step token budget (default: profile's, or 8192)")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-model-len", type=int)
@@ -190,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
 
         print_run(best)
         level = sim["levels"][result.runs.index(best)]
+        print(f"KV block size {sim['worker']['block_size']} tokens ({sim['block_size_source']})")
         print(f"simulated {level['simulated_s']:.1f} s in {level['wall_s']:.2f} s wall ({level['events']} events, "
               f"{level['events_per_s']:.0f} events/s)")
         if "cost" in level and level["cost"]["per_million_tokens"] is not None:

@@ -176,7 +176,8 @@ class ClusterSim:
         if self._deadline is not None and due >= self._deadline:
             return self._session_over(session)
         turn = session.turns[k]
-        ids = turn.flat_tokens().tolist()
+        arr = turn.flat_tokens()
+        ids = arr.tolist()
         rec = RequestRecord(f"{session.index}-{k}", session.class_name, session.index, k, turn.prompt_tokens,
                             turn.max_tokens, due, sent_s=self.loop.now, digest=turn.digest())
         self.records.append(rec)
@@ -185,7 +186,7 @@ class ClusterSim:
             rec.status, rec.http_status, rec.end_s = "failed", 400, self.loop.now
             rec.error = f"HTTP 400: unknown workload class {session.class_name!r}"
             return self._session_over(session)
-        key = PromptKey(chunk_hashes(ids, self.chunk_tokens), True, len(ids), self.chunk_tokens)
+        key = PromptKey(chunk_hashes(arr, self.chunk_tokens), True, len(ids), self.chunk_tokens)
         ctx = self.router.new_request(key, cls, turn.max_tokens)
         live = _Live(rec, session, ctx)
         self.router.submit(ctx, lambda flight, refused: self._dispatched(live, ids, flight, refused))
@@ -199,20 +200,21 @@ class ClusterSim:
         w = self.workers[flight.worker]
         live.flight, live.worker = flight, w
         cls = live.ctx.cls
-        hit = min(w.cached_prefix_tokens(ids), len(ids) - 1)
+        hashes: list[int] = []  # the prompt's block hashes, computed once (as the server's admission keeps them)
+        hit = min(w.cached_prefix_tokens(ids, hashes), len(ids) - 1)
         rank = 0 if 0 < len(ids) - hit <= CHEAP_PREFILL_TOKENS else 1
         rid = live.ctx.request_id
         self._live[rid] = live
         delay = w.cost.request_overhead_s
         if delay > 0:  # HTTP, parsing, the server's admission: the request reaches the engine later
-            self.loop.at(now + delay, self._enter, live, w, ids, rank)
+            self.loop.at(now + delay, self._enter, live, w, ids, rank, hashes)
         else:
-            self._enter(live, w, ids, rank)
+            self._enter(live, w, ids, rank, hashes)
 
-    def _enter(self, live: _Live, w: SimWorker, ids: list[int], rank: int) -> None:
+    def _enter(self, live: _Live, w: SimWorker, ids: list[int], rank: int, hashes: list[int]) -> None:
         rec, now, cls, rid, flight = live.rec, self.loop.now, live.ctx.cls, live.ctx.request_id, live.flight
         err = w.add(rid, ids, rec.max_tokens, priority=cls.priority, ttft_deadline=live.ctx.arrival_s + cls.ttft_slo_s,
-                    tpot_slo_s=cls.tpot_slo_s, rank=rank)
+                    tpot_slo_s=cls.tpot_slo_s, rank=rank, block_hashes=hashes)
         if err is not None:
             del self._live[rid]
             status = 400 if err.startswith("invalid") else 503

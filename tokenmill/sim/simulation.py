@@ -21,6 +21,7 @@ from tokenmill.bench.workloads import make_workload
 from tokenmill.bench.workloads.mix import Mix
 from tokenmill.cli import CLIError
 from tokenmill.router.config import RouterConfig
+from tokenmill.router.prefix_index import PrefixIndexConfig
 from tokenmill.sim.cluster import ClusterSim, LevelStats
 from tokenmill.sim.cost_model import Calibrated, CostModel, Roofline, RooflineParams
 from tokenmill.sim.hardware import get_hardware
@@ -44,7 +45,7 @@ class SimConfig:
     plots: bool = True
     roofline: RooflineParams = field(default_factory=RooflineParams)
     kv_cache_bytes: int | None = None  # per worker; default: calibrated -> the profile's engine, roofline -> HBM left
-    block_size: int = 16
+    block_size: int | None = None  # KV block tokens; None: block_size_for(workload) (a Mooncake trace's 512)
     max_num_batched_tokens: int | None = None  # default: the profile's engine (calibrated), else 8192
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -62,6 +63,23 @@ class SimConfig:
             raise CLIError("--price-per-hour must be >= 0")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise CLIError("--kv-cache-bytes must be > 0")
+        if self.block_size is not None and self.block_size < 1:
+            raise CLIError("--block-size must be >= 1")
+
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block, as the engine's (EngineConfig.block_size) and vLLM's GPU default
+
+
+def block_size_for(workload) -> tuple[int, str]:
+    """The simulated KV block size when --block-size is not given, and why. A Mooncake trace names its
+    prompts' shared prefixes only per 512-token `hash_ids` block, so finer blocks cannot find more sharing
+    in it: the sim uses the trace's block (32x fewer block hashes, allocations and prefix lookups than 16)
+    and says so in its output. Everything else: the engine's 16."""
+    from tokenmill.bench.workloads.trace import BLOCK_TOKENS, Trace
+
+    if isinstance(workload, Trace) and workload.rows[0].hash_ids is not None:
+        return BLOCK_TOKENS, f"auto: the Mooncake trace's hash block ({BLOCK_TOKENS} tokens)"
+    return DEFAULT_BLOCK_SIZE, "auto: the engine's default"
 
 
 @dataclass
@@ -78,6 +96,8 @@ def is_profile(hardware: str) -> bool:
 
 
 def build(cfg: SimConfig) -> Built:
+    if cfg.block_size is None:
+        cfg = replace(cfg, block_size=DEFAULT_BLOCK_SIZE)
     shape = get_model(cfg.model)
     if is_profile(cfg.hardware):
         cost = Calibrated.load(cfg.hardware)
@@ -121,12 +141,17 @@ def _vocab(cfg: SimConfig):
 
 
 def run_simulation(cfg: SimConfig) -> tuple[BenchResult, dict]:
-    built = build(cfg)
     vocab = _vocab(cfg)
     workload = make_workload(cfg.workloads[0], vocab, cfg.seed) if len(cfg.workloads) == 1 else \
         Mix.of_specs(list(cfg.workloads), vocab, cfg.seed)
+    if cfg.block_size is None:
+        size, block_source = block_size_for(workload)
+        cfg = replace(cfg, block_size=size)
+    else:
+        block_source = "--block-size"
+    built = build(cfg)
     slos = resolve_slos(list(cfg.slos), workload.classes)
-    router_cfg = _router_with_slos(cfg.router, slos, cfg.slos)
+    router_cfg = _router_with_slos(_router_chunks(cfg.router, cfg.block_size), slos, cfg.slos)
     result = BenchResult(
         command=list(cfg.command), seed=cfg.seed, slos=slos, runs=[], tokenizer=vocab.describe(),
         workload=workload.describe(),
@@ -159,10 +184,22 @@ def run_simulation(cfg: SimConfig) -> tuple[BenchResult, dict]:
     sim_json = {
         "cost_model": built.cost.describe(), "hardware": built.hardware_name, "workers": cfg.workers,
         "gpus_per_worker": built.gpus_per_worker, "router": {"policy": router_cfg.policy,
-                                                               "admission": router_cfg.admission.mode},
-        "worker": dataclasses.asdict(built.worker), "price_per_gpu_hour": cfg.price_per_hour, "levels": levels,
+                                                               "admission": router_cfg.admission.mode,
+                                                               "chunk_tokens": router_cfg.prefix_index.chunk_tokens},
+        "worker": dataclasses.asdict(built.worker), "block_size_source": block_source,
+        "price_per_gpu_hour": cfg.price_per_hour, "levels": levels,
     }
     return result, sim_json
+
+
+def _router_chunks(router: RouterConfig, block_size: int) -> RouterConfig:
+    """The router's prefix index chunks token prompts at the workers' KV block size (PrefixIndexConfig:
+    "match the workers' KV block size"): with the default 16-token chunks and 512-token blocks it would count
+    up to 511 tokens of a partial block as cached. A router config that sets chunk_tokens to anything but the
+    default keeps it."""
+    if router.prefix_index.chunk_tokens != PrefixIndexConfig().chunk_tokens or block_size == DEFAULT_BLOCK_SIZE:
+        return router
+    return replace(router, prefix_index=replace(router.prefix_index, chunk_tokens=block_size))
 
 
 def _router_with_slos(router: RouterConfig, slos: dict[str, SLO], given: tuple[str, ...]) -> RouterConfig:

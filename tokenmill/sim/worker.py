@@ -89,9 +89,12 @@ class SimWorker:
         return self.kv.cached_prefix_tokens(token_ids, hashes)
 
     def add(self, request_id: str, token_ids: list[int], max_tokens: int, priority: int = 0,
-            ttft_deadline: float = float("inf"), tpot_slo_s: float | None = None, rank: int = 0) -> str | None:
+            ttft_deadline: float = float("inf"), tpot_slo_s: float | None = None, rank: int = 0,
+            block_hashes: list[int] | None = None) -> str | None:
         """Queue a request; returns an error ('invalid: ...' or 'overloaded: ...') instead of raising, as the
-        server turns LLMEngine.add_request's errors into HTTP 400 / 503."""
+        server turns LLMEngine.add_request's errors into HTTP 400 / 503. `block_hashes`: the hashes of the
+        prompt's leading blocks already computed (by cached_prefix_tokens), so the KV manager does not hash
+        them again."""
         n = len(token_ids)
         if n == 0 or n + max_tokens > self.cfg.max_model_len:
             return (f"invalid: this model's maximum context length is {self.cfg.max_model_len} tokens; "
@@ -101,6 +104,8 @@ class SimWorker:
         req = Request(request_id, token_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority,
                       max_total_tokens=self.cfg.max_model_len, ttft_deadline=ttft_deadline, tpot_slo_s=tpot_slo_s,
                       rank=rank)
+        if block_hashes:
+            req.block_hashes = block_hashes
         self.prompt_tokens += n
         self.cut_run()
         if self.busy:
