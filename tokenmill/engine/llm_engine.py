@@ -214,7 +214,10 @@ class LLMEngine:
             if spec is not None:
                 spec.propose(sched, self.scheduler.requests, self._gens)
             t0 = time.perf_counter()
-            model_out = self.runner.execute(sched, float_logits=spec is not None)  # the sampler takes bf16 logits
+            speculating = spec is not None and any(s.num_spec_slots for s in sched.seqs)
+            # the sampler takes logits in the head's dtype; the verifier wants fp32 (a step where no sequence
+            # speculates, e.g. auto chose k = 0 for all, is sampled exactly as with speculation off)
+            model_out = self.runner.execute(sched, float_logits=speculating)
             exec_s = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - fail the batch, not the engine
             log.exception("model execution failed")
@@ -227,8 +230,7 @@ class LLMEngine:
                 log.exception("KV tier store failed")
         if spec is None:
             return self._postprocess(sched, model_out)
-        outs = (self._postprocess_spec(sched, model_out) if any(s.num_spec_slots for s in sched.seqs)
-                else self._postprocess(sched, model_out))
+        outs = self._postprocess_spec(sched, model_out) if speculating else self._postprocess(sched, model_out)
         spec.observe_step(sched)  # the step's measured time feeds the auto policy's cost model
         return outs
 
