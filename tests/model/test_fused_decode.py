@@ -145,3 +145,36 @@ def test_fused_decode_off_by_env(monkeypatch, tiny_dir):
     monkeypatch.setenv("TOKENMILL_FUSED_DECODE", "yes")
     with pytest.raises(ValueError, match="TOKENMILL_FUSED_DECODE"):
         LLM(str(tiny_dir), kv_cache_bytes="8MiB")
+
+
+def test_verify_steps_that_need_small_row_bits_skip_the_fused_stack():
+    """A bf16 verify step of 4 sequences x (1 + 4 drafts) = 20 rows stands for a 4-row decode step: its rows must
+    get the small-row kernels' bits (linear.small_row_bits), which the fused stack's > 8-row oneDNN path would not
+    give. So under that context the stack takes no step of more than 8 rows; smaller steps still run fused, and
+    the output is token for token speculation off."""
+    from tokenmill.model.fused_decode import MAX_TOKENS
+    from tokenmill.model.linear import small_row_bits_on
+
+    prompts = [[3, 4, 5, 6] * 4, [9, 10, 11] * 5, [20, 21] * 7, [7, 8, 9, 10, 11] * 3]  # repetitive: n-gram drafts
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    off = LLM("demo", kv_cache_bytes="32MiB", dtype="bfloat16")
+    ref = [r.outputs[0].token_ids for r in off.generate(prompts, params)]
+    llm = LLM("demo", kv_cache_bytes="32MiB", dtype="bfloat16", speculative_model="ngram", num_speculative_tokens=4)
+    model = llm.engine.runner.model
+    seen = {"big_small_bits": 0, "big_fused_small_bits": 0}
+
+    class Watching(_Counting):
+        def applies(self, x, meta):
+            ok = self.inner.applies(x, meta)
+            if x.shape[0] > MAX_TOKENS and small_row_bits_on():
+                seen["big_small_bits"] += 1
+                seen["big_fused_small_bits"] += int(ok)
+            return ok
+
+    watching = Watching(model.fused)
+    model.fused = watching
+    got = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    assert seen["big_small_bits"] > 0, "no verify step needed the small-row bits: the test checks nothing"
+    assert seen["big_fused_small_bits"] == 0
+    assert watching.calls > 0  # the draft-free and small steps still take the fused stack
+    assert got == ref
