@@ -219,7 +219,9 @@ class ModelRunner:
             hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta)
         if not logits_idx:
             return ModelOutput(torch.empty(0, self.cfg.vocab_size), offsets)
-        if logits_idx != list(range(hidden.shape[0])):  # a pure decode step needs every row, in order: no copy
+        # logits_idx is strictly increasing in [0, rows): as many entries as rows means every row, in order (a pure
+        # decode step): no gather copy
+        if len(logits_idx) != hidden.shape[0]:
             hidden = hidden[self._tensor(logits_idx)]
         with small_row_bits(base_logits <= small < len(logits_idx)):
             logits = self.model.compute_logits(hidden, float32=float_logits)
