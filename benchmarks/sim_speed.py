@@ -18,6 +18,9 @@ table gets the wall-time ratio and a check that both runs gave the same per-requ
 `--compare-block-size 16`: each size also runs with 16-token KV blocks (the default for this trace is its
 512-token hash block, `tokenmill sim`'s auto), side by side: wall time and the simulated results.
 `--split`: where the event loop's time goes per request (router decision, trace planning, hashing).
+`--compare-full`: each size also runs with the router deciding on the full snapshot (RouterConfig.snapshot
+"full": a WorkerView of every worker per decision) instead of its worker table, same trace, side by side: wall
+time, and a check that both runs gave the same per-request results.
 """
 
 from __future__ import annotations
@@ -91,12 +94,15 @@ def main() -> None:
     ap.add_argument("--compare-block-size", type=int, default=None, metavar="N",
                     help="instead of --stepping: also run every size with N-token KV blocks (and the router's "
                          "prefix chunks at N), same trace, to show the block size's effect on speed and results")
+    ap.add_argument("--compare-full", action="store_true",
+                    help="also run every size with the router on the full snapshot (the decision path before the "
+                         "worker table), same trace: wall time ratio and same-results check")
     ap.add_argument("--split", action="store_true",
                     help="time the router's decision (snapshot, policy, admission), trace planning and chunk hashing "
                          "per request (wrappers around them: adds a little overhead) and print where the time goes")
     args = ap.parse_args()
-    if args.stepping and args.compare_block_size:
-        ap.error("--stepping and --compare-block-size: one comparison per run")
+    if sum(map(bool, (args.stepping, args.compare_block_size, args.compare_full))) > 1:
+        ap.error("--stepping, --compare-block-size, --compare-full: one comparison per run")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sizes = [int(w) for w in args.workers.split(",")]
@@ -110,17 +116,19 @@ def main() -> None:
         _instrument(split)
     for w in sizes:
         runs = []
-        variants = [(True, args.block_size)] + ([(False, args.block_size)] if args.stepping else []) + \
-            ([(True, args.compare_block_size)] if args.compare_block_size else [])
-        for ff, bs in variants:
+        variants = [(True, args.block_size, "table")] + \
+            ([(False, args.block_size, "table")] if args.stepping else []) + \
+            ([(True, args.compare_block_size, "table")] if args.compare_block_size else []) + \
+            ([(True, args.block_size, "full")] if args.compare_full else [])
+        for ff, bs, snap in variants:
             cfg = SimConfig(model="llama-3.1-8b", hardware="h100", out=out / f"w{w}", workers=w,
-                            router=RouterConfig(), workloads=(f"trace:{trace}",),
+                            router=RouterConfig(snapshot=snap), workloads=(f"trace:{trace}",),
                             load=LoadConfig("rate", rate=w * args.per_worker_rate, duration_s=args.duration),
                             plots=False, record_chunks=False, fast_forward=ff, block_size=bs)
             split.clear()
             t0 = time.perf_counter()
             result, sim = run_simulation(cfg)
-            if args.split and (ff, bs) == variants[0]:
+            if args.split and (ff, bs, snap) == variants[0]:
                 splits.append((w, result.runs[0].summary.requests, sim["levels"][0]["wall_s"], dict(split)))
             lvl = dict(sim["levels"][0], total_s=time.perf_counter() - t0, block_size=sim["worker"]["block_size"])
             runs.append((result, lvl))
@@ -147,12 +155,13 @@ def main() -> None:
                         f" | {m.tpot_ms.p50 if m.tpot_ms else 0:.2f} | {hit:.1f}")
             print(f"| {w} | {req} | {wall:.1f} | {ev / wall:.0f} | {lvl['total_s']:.1f} | {cols(res.runs[0], lvl)} | "
                   f"{ol['wall_s']:.1f} | {ol['total_s']:.1f} | {cols(other[0].runs[0], ol)} | {ol['wall_s'] / wall:.1f} |")
+    versus = "full snapshot" if args.compare_full else "stepping"
     print("\n| workers | requests | engine steps | events | wall s | events/s | steps/s | simulated s | "
-          "sim-s per wall-s | completed | TTFT p50 ms | TPOT p50 ms | stepping: events | wall s | x faster | "
+          f"sim-s per wall-s | completed | TTFT p50 ms | TPOT p50 ms | {versus}: events | wall s | x faster | "
           "same results |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for w, req, steps, ev, wall, simulated, s, other, same, lvl, _ in rows:
-        step = other[1] if other and args.stepping else None
+        step = other[1] if other and (args.stepping or args.compare_full) else None
         st = (f"{step['events']} | {step['wall_s']:.1f} | {step['wall_s'] / wall:.1f} | {'yes' if same else 'NO'}"
               if step else "- | - | - | -")
         print(f"| {w} | {req} | {steps} | {ev} | {wall:.1f} | {ev / wall:.0f} | {steps / wall:.0f} | "

@@ -54,6 +54,9 @@ class RouterConfig:
     dns_interval_s: float = 5.0  # re-resolve worker_dns this often (discovery.py)
     epp_port: int | None = None  # also serve Envoy ext_proc (Gateway API Inference Extension EPP) here, on `host`
     epp_transport: str = "h2"  # the EPP's gRPC server: h2 (epp_h2.py) or grpcio (grpc.aio, the reference)
+    # what a decision reads: "table" (columns kept up to date per changed worker + prefix holders,
+    # router/worker_table.py, table_decisions.py; same decisions) or "full" (a WorkerView of every worker)
+    snapshot: str = "table"
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -73,6 +76,8 @@ class RouterConfig:
             raise ValueError("a worker URL is listed twice")
         if self.epp_port is not None and not 0 <= self.epp_port <= 65535:
             raise ValueError(f"epp_port must be in 0..65535, got {self.epp_port}")
+        if self.snapshot not in ("table", "full"):
+            raise ValueError(f"unknown snapshot {self.snapshot!r}; choose from table, full")
         if self.epp_transport not in ("grpcio", "h2"):
             raise ValueError(f"unknown epp_transport {self.epp_transport!r}; choose from grpcio, h2")
         for name in ("dns_interval_s", "health_interval_s", "health_timeout_s", "connect_timeout_s", "first_token_timeout_s",

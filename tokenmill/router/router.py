@@ -16,17 +16,24 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tokenmill.router.admission import Admission, admit
 from tokenmill.router.classes import WorkloadClass, by_name
 from tokenmill.router.config import RouterConfig
+from tokenmill.router.holder_index import HolderIndex
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policies import RouteChoice, get_policy
 from tokenmill.router.prefix_index import PrefixIndex
 from tokenmill.router.prompt import PromptKey, TokenEstimator
 from tokenmill.router.queues import ClassQueues, Held
 from tokenmill.router.snapshot import RouteRequest, RouteSnapshot, uncached_tokens
+from tokenmill.router.table_decisions import TABLE_ADMISSION, TABLE_POLICIES, TableSnapshot
+from tokenmill.router.table_decisions import admit as admit_on_table
 from tokenmill.router.worker_state import InFlight, WorkerPool, WorkerSpec, WorkerState
+from tokenmill.router.worker_table import HEALTHY, ROUTABLE, WorkerTable
 
+_ADMIT = admit  # admission.admit; a patched `admit` here (tests) is decided on the full snapshot
 REJECT_STATUS = {"no-worker": 503, "overloaded": 503}  # every other reason: 429
 
 
@@ -63,7 +70,9 @@ class Router:
         self.pool = WorkerPool(cfg.rate_priors)
         for spec in cfg.workers:
             self.pool.add(spec)
-        self.index = PrefixIndex(cfg.prefix_index)
+        self.index: PrefixIndex = HolderIndex(cfg.prefix_index)
+        self.table = WorkerTable(self.pool)
+        self.decisions = {"table": 0, "full": 0}  # decisions made per path (tests, profiles)
         self.tokens = TokenEstimator()
         self.policy = get_policy(cfg.policy)
         self.classes = by_name(cfg.classes)
@@ -177,6 +186,13 @@ class Router:
         self.index.insert(url, ctx.key.hashes, now)
 
     def decide(self, ctx: RequestCtx, held: bool = False) -> tuple[Admission, RouteSnapshot, dict[str, int]]:
+        """Policy + admission for ctx now. On the table (RouterConfig.snapshot "table", the default) when the
+        policy and admission mode have a table form and this router estimates hits with its prefix index:
+        the same decision, and the returned snapshot holds only the views it looked at (the chosen worker's
+        and those with a prefix hit); otherwise on the full snapshot (a view of every worker)."""
+        if self._on_table(ctx):
+            return self._decide_on_table(ctx, held)
+        self.decisions["full"] += 1
         snap, chunks = self.snapshot(ctx)
         choice = ctx.choice = self.policy(snap, self.cfg.policy_params)
         if ctx.tried:  # a retry was admitted already: only the routing policy picks among the workers left
@@ -185,6 +201,58 @@ class Router:
             adm = admit(snap, choice, ctx.cls, self.cfg.classes, self.cfg.admission,
                         self.queues.room(ctx.cls), held)
         return adm, snap, chunks
+
+    def _on_table(self, ctx: RequestCtx) -> bool:
+        cls = type(self)
+        return (self.cfg.snapshot == "table" and ctx.only is None and self.policy in TABLE_POLICIES
+                and (bool(ctx.tried) or (self.cfg.admission.mode in TABLE_ADMISSION and admit is _ADMIT))
+                and cls.snapshot is Router.snapshot and cls.cached_prefix is Router.cached_prefix
+                and isinstance(self.index, HolderIndex))
+
+    def _decide_on_table(self, ctx: RequestCtx, held: bool) -> tuple[Admission, RouteSnapshot, dict[str, int]]:
+        """decide() on the worker table: Router.snapshot's request, the prefix index matched only on the
+        workers holding the prompt's first chunk, table_decisions' policy and admission."""
+        self.decisions["table"] += 1
+        now = self.clock()
+        data = self.table.refresh()
+        table = self.table
+        n = len(table.urls)
+        cached = np.zeros(n)
+        chunks: dict[str, int] = {}
+        hits: list[int] = []
+        hashes = ctx.key.hashes
+        if hashes:
+            for url in self.index.holders(hashes[0]):
+                i = table.col.get(url)
+                if i is None or not data[HEALTHY, i]:
+                    continue
+                hit, chunks[url] = self.cached_prefix(ctx, table.workers[i], now)
+                if hit:
+                    cached[i] = hit
+                    hits.append(i)
+        if n:
+            ctx.uncached_tokens = max(0, ctx.prompt_tokens - max((int(cached[i]) for i in hits), default=0))
+        n_ahead, tokens_ahead = self.held_ahead(ctx)
+        exclude = frozenset(ctx.tried)
+        req = RouteRequest(ctx.request_id, now, ctx.arrival_s, ctx.prompt_tokens, ctx.cls.name, ctx.seq,
+                           ctx.max_tokens, exclude, ctx.cls.ttft_slo_s - (now - ctx.arrival_s), n_ahead, tokens_ahead)
+        mask = data[ROUTABLE] != 0
+        for url in exclude:
+            i = table.col.get(url)
+            if i is not None:
+                mask[i] = False
+        ts = TableSnapshot(data, table.urls, table.col, table.url_rank, cached, np.flatnonzero(mask), mask, req)
+        choice = ctx.choice = TABLE_POLICIES[self.policy](ts, self.cfg.policy_params)
+        if ctx.tried:
+            adm = Admission("admit", choice.worker) if choice.worker else Admission("reject", reason="no-worker")
+        else:
+            adm = admit_on_table(ts, choice, ctx.cls, self.cfg.classes, self.cfg.admission,
+                                 self.queues.room(ctx.cls), held)
+        looked = {i for i in hits}
+        if adm.worker is not None:
+            looked.add(table.col[adm.worker])
+        views = tuple(table.workers[i].view(int(cached[i]), now) for i in sorted(looked))
+        return adm, RouteSnapshot(views, req), chunks
 
     async def acquire(self, ctx: RequestCtx) -> InFlight:
         """A worker for `ctx` (an attempt started there), after holding it if admission says so."""

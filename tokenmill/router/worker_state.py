@@ -87,6 +87,18 @@ class InFlight:
 
 
 class WorkerState:
+    # The pool's set of changed workers (WorkerPool.changed), attached once the worker joins a pool: every
+    # attribute write adds the URL (each mutating method below writes one of its own attributes, also when it
+    # updates its rates, calibration or error trackers), so a routing table re-reads only the workers that
+    # changed (router/worker_table.py). None: not watched.
+    _changed: set | None = None
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        changed = self._changed
+        if changed is not None:
+            changed.add(self.url)
+
     def __init__(self, spec: WorkerSpec, priors: RatePriors):
         self.url = spec.url
         self.kind = spec.kind
@@ -267,6 +279,8 @@ class WorkerPool:
     def __init__(self, priors: RatePriors):
         self.priors = priors
         self._workers: dict[str, WorkerState] = {}
+        self.changed: set[str] = set()  # URLs of workers whose state changed (WorkerState.__setattr__)
+        self.version = 0  # bumped when a worker joins or leaves (the order of the pool changes)
 
     def __iter__(self):
         return iter(list(self._workers.values()))
@@ -283,6 +297,9 @@ class WorkerPool:
             w.draining = False
             return w
         w = self._workers[spec.url] = WorkerState(spec, self.priors)
+        w._changed = self.changed
+        self.changed.add(w.url)
+        self.version += 1
         return w
 
     def remove(self, url: str) -> bool:
@@ -298,4 +315,6 @@ class WorkerPool:
         gone = [u for u, w in self._workers.items() if w.draining and w.outstanding == 0]
         for u in gone:
             del self._workers[u]
+        if gone:
+            self.version += 1
         return gone

@@ -1,0 +1,201 @@
+"""Routing policies and leading admission on the worker table: the same decisions as policies.py and
+admission.py on a full RouteSnapshot, computed over columns (numpy) instead of one WorkerView per worker.
+
+A `TableSnapshot` is what a decision is a function of: the table's columns (router/worker_table.py, read-only),
+this request's estimated cached prefix per worker (zero except where the prefix index has a hit:
+router/holder_index.py), the routable mask (healthy, not draining, not excluded) and the `RouteRequest`.
+Each function here mirrors its scalar original term by term, in the same floating-point operations in the
+same order (so ties, guards and SLO tests come out bit-identical), and breaks ties the same way (the
+tuple keys of `min(..., key=...)`, the URL last). `TABLE_POLICIES` maps a policy function of policies.py to
+its table form; a policy without one (a new or monkeypatched policy) is decided on the full snapshot.
+tests/router/test_router_table.py checks every decision against the full snapshot on random event
+sequences. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenmill.router import policies
+from tokenmill.router.admission import Admission, AdmissionConfig, idle_budget_s
+from tokenmill.router.classes import WorkloadClass
+from tokenmill.router.policies import NO_WORKER, PolicyParams, RouteChoice
+from tokenmill.router.snapshot import RouteRequest
+from tokenmill.router.worker_table import (BASE, CALIBRATION, DECODE_STREAMS, DEADLINE, ERROR_HI, ERROR_LO,
+                                           EXTERNAL, MARGIN, OUTSTANDING, PASSING, PREFILL_REQUESTS,
+                                           PREFILL_TOKENS, RATE, RATE_SAMPLES, TPOT_BASE, TPOT_PER_STREAM)
+
+
+@dataclass(frozen=True)
+class TableSnapshot:
+    data: np.ndarray  # WorkerTable rows x workers (pool order), read-only
+    urls: list[str]
+    col: dict[str, int]  # url -> column
+    url_rank: np.ndarray  # each worker's place in URL order
+    cached: np.ndarray  # estimated cached prefix tokens of this request per worker (float64)
+    routable: np.ndarray  # index of the routable, not excluded workers, in pool order
+    mask: np.ndarray  # the same as a boolean per worker
+    request: RouteRequest
+
+
+def _lexmin(idx: np.ndarray, *keys: np.ndarray) -> int:
+    """The index in `idx` with the least (keys[0], keys[1], ...) (full-length arrays); the last key is unique."""
+    for k in keys:
+        if len(idx) == 1:
+            break
+        v = k[idx]
+        idx = idx[v == v.min()]
+    return int(idx[0])
+
+
+def _queue_s(d: np.ndarray, p: PolicyParams) -> np.ndarray:
+    """policies.queue_s: base * prefill_requests + ((prefill + external tokens) + λ * streams) / rate."""
+    work = (d[PREFILL_TOKENS] + d[EXTERNAL]) + p.decode_stream_tokens * d[DECODE_STREAMS]
+    return d[BASE] * d[PREFILL_REQUESTS] + work / d[RATE]
+
+
+def _uncached(ts: TableSnapshot) -> np.ndarray:
+    return np.maximum(0.0, ts.request.prompt_tokens - ts.cached)
+
+
+def round_robin(ts: TableSnapshot, p: PolicyParams) -> RouteChoice:
+    idx = ts.routable
+    if not len(idx):
+        return NO_WORKER
+    return RouteChoice(ts.urls[int(idx[ts.request.seq % len(idx)])], "round-robin")
+
+
+def least_load(ts: TableSnapshot, p: PolicyParams) -> RouteChoice:
+    idx = ts.routable
+    if not len(idx):
+        return NO_WORKER
+    d = ts.data
+    return RouteChoice(ts.urls[_lexmin(idx, d[OUTSTANDING], _queue_s(d, p), ts.url_rank)], "least-load")
+
+
+def prefix(ts: TableSnapshot, p: PolicyParams) -> RouteChoice:
+    idx = ts.routable
+    if not len(idx):
+        return NO_WORKER
+    d = ts.data
+    best = _lexmin(idx, -ts.cached, d[OUTSTANDING], _queue_s(d, p), ts.url_rank)
+    return RouteChoice(ts.urls[best], "prefix-hit" if ts.cached[best] > 0 else "least-load")
+
+
+def prefix_only(ts: TableSnapshot, p: PolicyParams) -> RouteChoice:
+    idx = ts.routable
+    if not len(idx):
+        return NO_WORKER
+    c = ts.cached[idx]
+    longest = c.max()
+    ties = idx[c == longest]
+    best = int(ties[policies._spread(ts.request.seq, len(ties))])
+    return RouteChoice(ts.urls[best], "prefix-hit" if longest > 0 else "random")
+
+
+def _predicted_ttft(d: np.ndarray, uncached: np.ndarray, cols=slice(None)) -> np.ndarray:
+    """snapshot.predicted_ttft_s: cal * ((base * prefill_requests + queued tokens / rate) / (1 - passing)
+    + (base * 1 + uncached / rate))."""
+    base, rate = d[BASE, cols], d[RATE, cols]
+    wait = (base * d[PREFILL_REQUESTS, cols] + (d[PREFILL_TOKENS, cols] + d[EXTERNAL, cols]) / rate) / \
+        (1.0 - d[PASSING, cols])
+    return d[CALIBRATION, cols] * (wait + (base * 1 + uncached / rate))
+
+
+def prefix_load(ts: TableSnapshot, p: PolicyParams) -> RouteChoice:
+    idx = ts.routable
+    if not len(idx):
+        return NO_WORKER
+    d, r = ts.data, ts.request
+    queue = _queue_s(d, p)
+    cost = (d[BASE] * 1 + ((1 + p.miss_weight) * _uncached(ts)) / d[RATE]) + queue
+    out = d[OUTSTANDING]
+    best = _lexmin(idx, cost, out, queue, ts.url_rank)
+    o = out[idx]
+    least = o.min()
+    allowed = idx[~((o - least > p.guard_abs) & (o > p.guard_rel * least))]
+    if best in allowed:
+        return RouteChoice(ts.urls[best], "least-cost")
+    spread = _lexmin(allowed, cost, out, queue, ts.url_rank)
+    col = slice(spread, spread + 1)
+    if _predicted_ttft(d, _uncached(ts)[col], col)[0] <= r.ttft_budget_s:
+        return RouteChoice(ts.urls[spread], "load-guard")
+    return RouteChoice(ts.urls[best], "saturated")
+
+
+TABLE_POLICIES = {
+    policies.POLICIES["round-robin"]: round_robin,
+    policies.POLICIES["least-load"]: least_load,
+    policies.POLICIES["prefix"]: prefix,
+    policies.POLICIES["prefix-only"]: prefix_only,
+    policies.POLICIES["prefix-load"]: prefix_load,
+}
+TABLE_ADMISSION = ("leading", "off")  # admission modes decided on the table (lagging: on the full snapshot)
+
+
+def admit(ts: TableSnapshot, choice: RouteChoice, cls: WorkloadClass, classes: tuple[WorkloadClass, ...],
+          cfg: AdmissionConfig, queue_room: int, held: bool = False) -> Admission:
+    """admission.admit (modes leading and off) on the table."""
+    r, idx, d = ts.request, ts.routable, ts.data
+    chosen = ts.col.get(choice.worker, -1) if choice.worker is not None else -1
+    if not len(idx) or chosen < 0 or not ts.mask[chosen]:
+        return Admission("reject", reason="no-worker", retry_after_s=1.0)
+    unc = _uncached(ts)
+    if cfg.mode == "off":
+        col = slice(chosen, chosen + 1)
+        return Admission("admit", ts.urls[chosen], float(_predicted_ttft(d, unc[col], col)[0]))
+    if cfg.mode != "leading":
+        raise ValueError(f"admission mode {cfg.mode!r} is not decided on the table")
+    budget = cls.ttft_slo_s - (r.now - r.arrival_s)  # admission.ttft_budget_s
+    idle_budget = idle_budget_s(cls, classes, cfg)
+    pred = _predicted_ttft(d, unc)
+    idle = (d[OUTSTANDING] == 0) & (d[EXTERNAL] == 0)
+    if cfg.check_tpot:
+        tpot_ok = d[TPOT_BASE] + d[TPOT_PER_STREAM] * (d[DECODE_STREAMS] + 1) <= cls.tpot_slo_s
+        meets = idle | (tpot_ok & (pred * d[ERROR_HI] * d[MARGIN] <= min(budget, idle_budget)))
+    else:
+        meets = idle | (pred * d[ERROR_HI] * d[MARGIN] <= min(budget, idle_budget))
+    meeting = idx[meets[idx]]
+    if len(meeting):
+        warm = (d[RATE_SAMPLES] >= cfg.warmup_samples) | (d[PREFILL_TOKENS] == 0)
+        own = d[CALIBRATION] * (d[BASE] * 1 + unc / d[RATE])  # snapshot.own_prefill_s
+        deadline = d[DEADLINE]
+        slack_ok = (deadline == np.inf) | (own <= deadline - r.now)
+        polite = idle | (warm & slack_ok)
+        nice = meeting[polite[meeting]]
+        if polite[chosen] and meets[chosen]:
+            best = chosen
+        elif len(nice):
+            best = _lexmin(nice, pred, ts.url_rank)
+        else:
+            best = chosen if meets[chosen] else _lexmin(meeting, pred, ts.url_rank)
+        return Admission("admit", ts.urls[best], float(pred[best]))
+
+    pw = pred[idx]
+    gap_s = max(0.0, float(pw.min()) - min(budget, idle_budget))
+    least_base = float(d[BASE, idx].min())
+    wait_s = max(0.0, cls.hold_deadline_s(r.arrival_s, least_base) - r.now)
+    share = 1.0 / len(idx)
+    if not (cfg.hold == "sheddable" and not cls.sheddable):
+        dd = d[:, idx]
+        base, rate = dd[BASE], dd[RATE]
+        ahead = (base * (dd[PREFILL_REQUESTS] + share * r.ahead_requests)
+                 + ((dd[PREFILL_TOKENS] + dd[EXTERNAL]) + share * r.ahead_tokens) / rate) / (1.0 - dd[PASSING])
+        behind = dd[CALIBRATION] * (ahead + (base * 1 + unc[idx] / rate))  # snapshot.behind_ttft_s
+        lo, hi = dd[ERROR_LO], dd[ERROR_HI]
+        drain = {"fast": 1.0 / lo, "expected": 1.0, "slow": 1.0 / hi}[cfg.hold_drain]
+        left_s = np.maximum(0.0, behind - wait_s * drain)
+        hopeless = (behind * lo > budget) | (left_s * hi > min(budget - wait_s, idle_budget))
+        all_hopeless = bool(hopeless.all())
+    if (cfg.hold == "sheddable" and not cls.sheddable) or all_hopeless:
+        return Admission("reject", reason="deadline" if held else "slo", retry_after_s=gap_s)
+    # admission._hold
+    deadline_s = cls.hold_deadline_s(r.arrival_s, least_base)
+    if held and r.now >= deadline_s:
+        return Admission("reject", reason="deadline", retry_after_s=gap_s)
+    if not held and queue_room <= 0:
+        return Admission("reject", reason="queue-full", retry_after_s=gap_s)
+    return Admission("hold", reason="slo", retry_after_s=gap_s)
+
