@@ -92,12 +92,15 @@ class WorkerState:
     # updates its rates, calibration or error trackers), so a routing table re-reads only the workers that
     # changed (router/worker_table.py). None: not watched.
     _changed: set | None = None
+    _draining: set | None = None  # the pool's WorkerPool.draining: URLs whose `draining` was set (reap looks there)
 
     def __setattr__(self, name, value):
         object.__setattr__(self, name, value)
         changed = self._changed
         if changed is not None:
             changed.add(self.url)
+            if name == "draining" and value:
+                self._draining.add(self.url)
 
     def __init__(self, spec: WorkerSpec, priors: RatePriors):
         self.url = spec.url
@@ -280,6 +283,7 @@ class WorkerPool:
         self.priors = priors
         self._workers: dict[str, WorkerState] = {}
         self.changed: set[str] = set()  # URLs of workers whose state changed (WorkerState.__setattr__)
+        self.draining: set[str] = set()  # URLs of workers set draining (reap checks only these, not every worker)
         self.version = 0  # bumped when a worker joins or leaves (the order of the pool changes)
 
     def __iter__(self):
@@ -297,6 +301,7 @@ class WorkerPool:
             w.draining = False
             return w
         w = self._workers[spec.url] = WorkerState(spec, self.priors)
+        w._draining = self.draining
         w._changed = self.changed
         self.changed.add(w.url)
         self.version += 1
@@ -312,9 +317,20 @@ class WorkerPool:
 
     def reap(self) -> list[str]:
         """Forget draining workers with nothing in flight; returns their URLs."""
-        gone = [u for u, w in self._workers.items() if w.draining and w.outstanding == 0]
-        for u in gone:
+        if not self.draining:
+            return []
+        gone = set()
+        for u in list(self.draining):
+            w = self._workers.get(u)
+            if w is None or not w.draining:
+                self.draining.discard(u)
+            elif w.outstanding == 0:
+                gone.add(u)
+                self.draining.discard(u)
+        if not gone:
+            return []
+        order = [u for u in self._workers if u in gone]  # in pool order
+        for u in order:
             del self._workers[u]
-        if gone:
-            self.version += 1
-        return gone
+        self.version += 1
+        return order

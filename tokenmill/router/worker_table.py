@@ -30,13 +30,14 @@ FIELDS = ("routable", "healthy", "outstanding", "prefill_tokens", "prefill_reque
 
 def row_of(w: WorkerState) -> tuple[float, ...]:
     """One worker's column: the fields of w.view() (and its least pending TTFT deadline)."""
-    v = w.view()
+    # the same reads as WorkerState.view (test_table_rows_are_the_views...), without building the view
     pending = w._pending
     deadline = min([f.ttft_deadline_s for f in pending.values()]) if pending else math.inf
-    return (float(v.routable), float(v.healthy), v.outstanding, v.prefill_tokens, v.prefill_requests,
-            v.decode_streams, v.external_prefill_tokens, v.ttft_base_s, v.prefill_rate_tps, v.ttft_calibration,
-            v.tpot_base_s, v.tpot_per_stream_s, v.rate_samples, deadline, v.ttft_error_hi, v.ttft_error_lo,
-            v.ttft_slo_margin, v.passing_share)
+    prefill, tpot = w.rates.prefill, w.rates.tpot
+    return (float(w.healthy and not w.draining), float(w.healthy), w.outstanding, max(0, w.prefill_tokens),
+            len(pending), w.decode_streams, w.external_prefill_tokens, prefill.overhead_s, prefill.rate_tps,
+            w.calibration.value or 1.0, tpot.a, tpot.b, prefill.samples, deadline, w.ttft_error_hi.value,
+            w.ttft_error_lo.value, w.slo_margin.value, 0.0)
 
 
 class WorkerTable:
