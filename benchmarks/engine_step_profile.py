@@ -188,7 +188,8 @@ def op_group(op: str) -> str:
     if op in ("oneDNN linear", "F.linear", "int8 GEMM (torch._int_mm)") or any(
             w in op for w in ("linear_small", "quantize_rows", "dequant_rows")):
         return "linears"
-    if op == "SDPA (prefill attention)" or any(w in op for w in ("paged_decode_attention", "write_kv")):
+    if op == "SDPA (prefill attention)" or any(
+            w in op for w in ("paged_decode_attention", "write_kv", "prefill_attention")):
         return "attention + KV write"
     if "decoder_stack" in op:
         return "fused decoder stack (C++)"

@@ -41,6 +41,7 @@ class AttentionMetadata:
     decode_ctx_lens: torch.Tensor | None  # [D] long
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks*block_size] bool, True = attend (fallback path)
     sliding_window: int | None = None
+    prefill_args: tuple | None = None  # the spans as the C++ prefill attention takes them (built once per step)
 
 
 class Int8KVCache:
@@ -148,6 +149,24 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     return o[0]
 
 
+def _prefill_on() -> bool:
+    """TOKENMILL_PREFILL_ATTN=0 turns the C++ prefill attention off (the per-sequence PyTorch SDPA loop below is the
+    reference and the fallback)."""
+    import os
+
+    return os.environ.get("TOKENMILL_PREFILL_ATTN", "1") != "0"
+
+
+def _prefill_args(spans: list[SeqSpan]) -> tuple:
+    """(q_starts, q_lens, ctx_lens, block_tables padded with 0) as int64 CPU tensors, for all layers of the step."""
+    width = max(s.block_table.shape[0] for s in spans)
+    bt = torch.zeros(len(spans), width, dtype=torch.long)
+    for i, s in enumerate(spans):
+        bt[i, :s.block_table.shape[0]] = s.block_table
+    lens = torch.tensor([[s.q_start, s.q_len, s.ctx_len] for s in spans], dtype=torch.long).t().contiguous()
+    return lens[0], lens[1], lens[2], bt
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "torch.Tensor | Int8KVCache",
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, nh, hd]; k, v: [T, kvh, hd] (this step's new tokens). Returns [T, nh, hd]."""
@@ -169,7 +188,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "t
     nh, kvh = q.shape[1], k.shape[1]
     gqa = nh != kvh
     bs = cache.shape[3]
-    for s in meta.spans:
+    spans = meta.spans
+    if spans and kernels is not None and _prefill_on() and q.stride(-1) == 1 and k.dtype == q.dtype == v.dtype:
+        if meta.prefill_args is None:
+            meta.prefill_args = _prefill_args(spans)
+        if kernels.prefill_attention(out, q, k, v, kc, vc, *meta.prefill_args, scale, meta.sliding_window or 0,
+                                     k_sc, v_sc):
+            spans = ()  # every span attended in the one call
+    for s in spans:
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [nh, q, hd]
         window = meta.sliding_window
         if s.ctx_len == s.q_len and (window is None or window >= s.ctx_len):

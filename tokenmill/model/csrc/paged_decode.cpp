@@ -1418,6 +1418,12 @@ void argmax_rows(torch::Tensor out, torch::Tensor x) {
   TM_DISPATCH(x, "argmax_rows", [&] { argmax_rows_impl<scalar_t>(out, x); });
 }
 
+// defined in prefill_attention.cpp (the varlen causal prefill attention, one call per layer)
+bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                       torch::Tensor v_cache, torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor ctx_lens,
+                       torch::Tensor block_tables, double scale, int64_t window, c10::optional<torch::Tensor> k_scales,
+                       c10::optional<torch::Tensor> v_scales);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32/bf16 q, any KV dtype)",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
@@ -1438,5 +1444,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_stack", &decoder_stack, "all decoder layers + final norm for any number of decode tokens (CPU)");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum (CPU, fp32/bf16)");
   m.def("has_vnni_small", &has_vnni_small, "whether linear_small_vnni is compiled in");
+  m.def("prefill_attention", &prefill_attention, "varlen causal prefill attention over the paged cache, one call "
+        "for all sequences of a step (CPU; False where not compiled in)", py::arg("out"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("q_starts"), py::arg("q_lens"),
+        py::arg("ctx_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("window"),
+        py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
   m.def("linear_small_int8", &linear_small_int8, "y = x W8^T * sw (+ b) for at most 8 rows (CPU)");
 }
