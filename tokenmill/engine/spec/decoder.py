@@ -158,7 +158,8 @@ class SpecDecoder:
         ks = [s.num_spec_slots for s in seqs]
         drafts = self.proposer.propose(reqs, ks, seqs, [gens.get(r.request_id) for r in reqs])
         if self.proposer.last_catchup > SHORT_CATCHUP:  # a long catch-up (first proposal) is a prefill: not
-            self._shape = None  # this shape's steady-state cost. A short one (a sequence back from a few k = 0
+            self._shape = None  # this shape's steady-state cost (nor a cap's: the guard skips the step too)
+            self._guard_step = None  # A short one (a sequence back from a few k = 0
             # steps beside others that speculated) is recorded: leaving those steps out left the mixed shapes
             # unmeasured and priced by the prior (measured: auto at 0.79x of off at c = 16)
         elif self._shape is not None:  # the shape as run: a lookup may find fewer tokens than k (or none)
@@ -173,8 +174,10 @@ class SpecDecoder:
     def observe_step(self, sched: SchedulerOutput) -> None:
         """After postprocess: the whole step's time from plan() on (proposal, verify, bookkeeping). The cost
         model records it under its planned shape, leaving out steps with prefill chunks (their tokens cost
-        differently) and steps whose proposal was a long draft catch-up; the guard records every decode-only
-        step's tokens per second under its cap, catch-ups included (waking a draft is part of what a cap costs)."""
+        differently) and steps whose proposal was a long draft catch-up (a request's first proposal: the draft's
+        prefill of the prompt, paid once per request whatever the cap); the guard records the other decode-only
+        steps' tokens per second under their cap, short catch-ups included (waking a draft after a few k = 0
+        steps is part of what a cap costs)."""
         gs = self._guard_step
         if gs is None or len(sched.seqs) != gs[0]:
             return

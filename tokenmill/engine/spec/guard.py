@@ -36,18 +36,19 @@ class GuardConfig:
     k_max: int = 6
     probe_every: int = 24  # steps of a bucket between probes (at first, and after a switch)
     max_probe_every: int = 384  # the interval after repeated failed probes
-    probe_len: int = 3  # steps a probe runs under the probed cap
-    min_samples: int = 6  # steps an arm needs before it can win or lose a comparison
+    probe_len: int = 4  # steps a probe runs under the probed cap
+    min_samples: int = 8  # steps an arm needs before it can win or lose a comparison
     margin: float = 0.03  # a challenger must beat the current arm's measured rate by this (relative)
-    decay: float = 0.9  # EMA weight of an arm's history per new observation of that arm
+    decay: float = 0.95  # EMA weight of an arm's history per new observation of that arm
+    outlier: float = 4.0  # a step longer than this many times the arm's mean step counts as that long
 
     def __post_init__(self):
         if not 1 <= self.k_max <= 16:
             raise ValueError(f"guard k_max must be in [1, 16], got {self.k_max}")
         if self.probe_every < 1 or self.max_probe_every < self.probe_every or self.probe_len < 1:
             raise ValueError("guard needs probe_every >= 1, max_probe_every >= probe_every, probe_len >= 1")
-        if self.min_samples < 1 or self.margin < 0 or not 0 <= self.decay < 1:
-            raise ValueError("guard needs min_samples >= 1, margin >= 0, decay in [0, 1)")
+        if self.min_samples < 1 or self.margin < 0 or not 0 < self.decay < 1 or self.outlier <= 1:
+            raise ValueError("guard needs min_samples >= 1, margin >= 0, decay in (0, 1), outlier > 1")
 
 
 def bucket(n: int) -> int:
@@ -154,6 +155,9 @@ class GoodputGuard:
         if arm is None:
             arm = b.arms[cap] = _Arm()
         d = self.cfg.decay
+        if arm.samples >= 3:  # a stall of the shared machine (another process, a GC pause) must not decide
+            mean = arm.seconds * (1 - d) / (1 - d ** min(arm.samples, 200))
+            seconds = min(seconds, self.cfg.outlier * mean)
         arm.tokens = d * arm.tokens + tokens
         arm.seconds = d * arm.seconds + seconds
         arm.samples += 1
