@@ -43,6 +43,13 @@ def test_guard_turns_speculation_off_when_it_measurably_loses():
     assert mean >= 0.97 * 1000.0
 
 
+def test_guard_first_decision_is_quick():
+    # a short benchmark level or a fresh server bucket: the first comparison with off comes within ~2 min_samples
+    g = GoodputGuard(GuardConfig(k_max=6, min_samples=8))
+    used = _drive(g, 16, 40, lambda c: 1000.0 if c == 0 else 700.0)
+    assert g.current(16) == 0 and used[-1] == 0
+
+
 def test_guard_keeps_speculating_when_it_wins_and_finds_the_best_cap():
     g = GoodputGuard(GuardConfig(k_max=6))
     best = {0: 1000.0, 1: 1150.0, 2: 1300.0, 3: 1450.0, 4: 1550.0, 5: 1450.0, 6: 1350.0}

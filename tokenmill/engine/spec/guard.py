@@ -15,7 +15,9 @@ the policy under the best measured cap.
     probe          every `probe_every` steps of a bucket, `probe_len` steps under a neighbouring cap (cur − 1
                    and cur + 1 alternately) and, every other probe, under cap 0 (off), so the reference stays
                    measured at the same batch size and the same moment of the machine's load; while off, the
-                   probe is the best cap measured so far
+                   probe is the best cap measured so far. The first probe comes after `min_samples` steps, and
+                   a probe of an arm with fewer than `min_samples` samples runs until it has them, so a
+                   bucket has its first comparison within ~2·min_samples steps
     switch         to the arm whose measured rate beats the current one's by `margin` (relative), each having
                    at least `min_samples` steps; a failed probe doubles the probe interval (up to
                    `max_probe_every`), a switch resets it: at a steady load the guard settles and probes
@@ -74,12 +76,12 @@ class _Arm:
 class _Bucket:
     __slots__ = ("cur", "arms", "steps", "next_probe", "interval", "probe_arm", "probe_left", "num_probes")
 
-    def __init__(self, k_max: int, probe_every: int):
+    def __init__(self, k_max: int, probe_every: int, first_probe: int):
         self.cur = k_max
         self.arms: dict[int, _Arm] = {}
         self.steps = 0
         self.interval = probe_every
-        self.next_probe = probe_every
+        self.next_probe = first_probe
         self.probe_arm: int | None = None
         self.probe_left = 0
         self.num_probes = 0
@@ -94,7 +96,7 @@ class GoodputGuard:
     def _get(self, n: int) -> _Bucket:
         b = self.buckets.get(bucket(n))
         if b is None:
-            b = self.buckets[bucket(n)] = _Bucket(self.cfg.k_max, self.cfg.probe_every)
+            b = self.buckets[bucket(n)] = _Bucket(self.cfg.k_max, self.cfg.probe_every, self.cfg.min_samples + 1)
         return b
 
     def cap(self, n: int) -> int:
@@ -112,7 +114,9 @@ class GoodputGuard:
             b.next_probe = b.steps + b.interval
             if arm is not None:
                 b.num_probes += 1
-                b.probe_arm, b.probe_left = arm, self.cfg.probe_len - 1
+                seen = b.arms[arm].samples if arm in b.arms else 0  # an arm not yet measured enough gets a
+                length = max(self.cfg.probe_len, self.cfg.min_samples - seen)  # probe long enough to compare
+                b.probe_arm, b.probe_left = arm, length - 1
                 return arm
         return b.cur
 
