@@ -28,9 +28,6 @@ from tokenmill.engine.spec.stats import Acceptance, SpecStats
 from tokenmill.engine.spec.step_cost import SpecStepCost, StepCostConfig
 from tokenmill.engine.spec.verify import verify_greedy, verify_sampled
 
-EXPLORE_EVERY = 8  # auto: every this many plans k may be perturbed by +1 / -1 (alternately) so the cost cells
-RE_EXPLORE_EVERY = 128  # see neighbouring shapes: only while the neighbour has < EXPLORE_SAMPLES samples, or
-EXPLORE_SAMPLES = 3  # every RE_EXPLORE_EVERY plans (costs drift with the machine's load)
 SHORT_CATCHUP = 16  # draft tokens a catch-up may hold and still be a steady-state step (the decode-kernel path)
 
 # the cost model's prior (seconds: base, per decoding seq, per drafted token, per draft step, per spec seq):
@@ -92,31 +89,25 @@ class SpecDecoder:
         chosen = st.chosen_k
         if self.auto:
             guard = self.guard
-            cap_k = guard.cap(n)
-            self._guard_step = (n, cap_k)
-            probing = cap_k != guard.current(n)  # a probe, like an exploration, is not the policy's choice
             rcaps = [self.cap(r) for r in decoding]
-            if cap_k == 0:  # speculation off for this step: no policy, no proposal (the step runs as off)
-                chosen[0] = chosen.get(0, 0) + n
-                if not probing:
-                    self._record_k(decoding, [0] * n, rcaps)
-                self._shape = (n, 0, 0, 0)
-                return {}
-            caps = [min(c, cap_k) for c in rcaps]
-            budget = scheduler.config.max_num_batched_tokens if token_budget is None else token_budget
-            prefill = min(max(0, budget - n), scheduler.waiting_uncached_prompt_tokens())
-            ks = list(choose_k(self.snapshot(decoding, prefill, caps), self.policy))
+            initial = None
+            if not guard.has_bucket(n):  # a batch size not seen yet: start at the cost model's choice
+                budget = scheduler.config.max_num_batched_tokens if token_budget is None else token_budget
+                prefill = min(max(0, budget - n), scheduler.waiting_uncached_prompt_tokens())
+                initial = max(choose_k(self.snapshot(decoding, prefill, rcaps), self.policy))
+            cap_k = guard.cap(n, initial)
+            self._guard_step = (n, cap_k)
+            probing = cap_k != guard.current(n)  # a probe, like an exploration, is not the step's choice
+            ks = [min(cap_k, c) for c in rcaps]  # the bucket's measured-best k (a probe: its neighbour)
         else:
             self._guard_step = (n, self.fixed_k)
-            caps = [self.cap(r) for r in decoding]
-            ks = [min(self.fixed_k, c) for c in caps]
-            rcaps, probing = caps, False
+            rcaps = [self.cap(r) for r in decoding]
+            ks = [min(self.fixed_k, c) for c in rcaps]
+            probing = False
         for k in ks:
             chosen[k] = chosen.get(k, 0) + 1
         if not probing:
             self._record_k(decoding, ks, rcaps)
-        if self.auto and self.num_plans % EXPLORE_EVERY == 0:
-            ks = self._explore(ks, caps)
         self._shape = (n, sum(ks), max(ks), sum(1 for k in ks if k))
         return {r.request_id: k for r, k in zip(decoding, ks) if k}
 
@@ -130,23 +121,6 @@ class SpecDecoder:
             if prev is not None and prev != k and not k == cap < prev:  # a cap (the output's end) is no switch
                 st.num_k_switches += 1
             prev_k[rid] = k  # the policy's choice: an exploration below is not recorded as the previous k
-
-    def _explore(self, ks: list[int], caps: list[int]) -> list[int]:
-        """Perturb every speculating sequence's k by +1 or -1 (alternately) when the cost model has (almost) no
-        measurement of the resulting shape, or every RE_EXPLORE_EVERY plans. A draft model is woken from k = 0
-        only by the periodic exploration (waking costs a catch-up of its KV: a step the cost model does not
-        record, but its verification measures α again); n-gram proposals cost nothing to wake."""
-        step = 1 if self.num_plans % (2 * EXPLORE_EVERY) == 0 else -1
-        kmax = self.policy.k_max
-        periodic = self.num_plans % RE_EXPLORE_EVERY == 0
-        wake = periodic or not self.proposer.has_kv
-        out = [min(cap, kmax, max(0, k + step)) if (k or wake) else k for k, cap in zip(ks, caps)]  # caps: the guard's too
-        if out == ks:
-            return ks
-        shape = (len(out), sum(out), max(out), sum(1 for k in out if k))
-        if self.cost.samples(*shape) >= EXPLORE_SAMPLES and not periodic:
-            return ks
-        return out
 
     # -- propose ---------------------------------------------------------------------------------
     def propose(self, sched: SchedulerOutput, requests: dict[str, Request], gens: dict) -> None:

@@ -42,6 +42,7 @@ class GuardConfig:
     min_samples: int = 8  # steps an arm needs before it can win or lose a comparison
     margin: float = 0.03  # a challenger must beat the current arm's measured rate by this (relative)
     decay: float = 0.95  # EMA weight of an arm's history per new observation of that arm
+    warmup: int = 2  # an arm's first observations, not recorded
     outlier: float = 4.0  # a step longer than this many times the arm's mean step counts as that long
 
     def __post_init__(self):
@@ -62,9 +63,10 @@ def bucket(n: int) -> int:
 
 
 class _Arm:
-    __slots__ = ("tokens", "seconds", "samples")
+    __slots__ = ("tokens", "seconds", "samples", "seen")
 
     def __init__(self):
+        self.seen = 0
         self.tokens = 0.0
         self.seconds = 0.0
         self.samples = 0
@@ -96,11 +98,17 @@ class GoodputGuard:
     def _get(self, n: int) -> _Bucket:
         b = self.buckets.get(bucket(n))
         if b is None:
-            b = self.buckets[bucket(n)] = _Bucket(self.cfg.k_max, self.cfg.probe_every, self.cfg.min_samples + 1)
+            b = self.buckets[bucket(n)] = _Bucket(self.cfg.k_max, self.cfg.probe_every, self.cfg.min_samples + self.cfg.warmup + 1)
         return b
 
-    def cap(self, n: int) -> int:
-        """The cap on k for a step with n decoding sequences (advances the bucket's probe schedule)."""
+    def has_bucket(self, n: int) -> bool:
+        return bucket(n) in self.buckets
+
+    def cap(self, n: int, initial: int | None = None) -> int:
+        """The k for a step with n decoding sequences (advances the bucket's probe schedule); `initial`: the
+        arm a bucket not seen yet starts at (default k_max)."""
+        if initial is not None and bucket(n) not in self.buckets:
+            self._get(n).cur = max(0, min(self.cfg.k_max, initial))
         b = self._get(n)
         b.steps += 1
         if b.probe_left > 0:
@@ -114,8 +122,9 @@ class GoodputGuard:
             b.next_probe = b.steps + b.interval
             if arm is not None:
                 b.num_probes += 1
-                seen = b.arms[arm].samples if arm in b.arms else 0  # an arm not yet measured enough gets a
-                length = max(self.cfg.probe_len, self.cfg.min_samples - seen)  # probe long enough to compare
+                a = b.arms.get(arm)  # an arm not yet measured enough gets a probe long enough to compare
+                need = self.cfg.min_samples + self.cfg.warmup - (a.seen if a is not None else 0)
+                length = max(self.cfg.probe_len, need)
                 b.probe_arm, b.probe_left = arm, length - 1
                 return arm
         return b.cur
@@ -158,6 +167,9 @@ class GoodputGuard:
         arm = b.arms.get(cap)
         if arm is None:
             arm = b.arms[cap] = _Arm()
+        arm.seen += 1
+        if arm.seen <= self.cfg.warmup:  # an arm's first steps (fresh draft state, allocations) are not its rate
+            return
         d = self.cfg.decay
         if arm.samples >= 3:  # a stall of the shared machine (another process, a GC pause) must not decide
             mean = arm.seconds * (1 - d) / (1 - d ** min(arm.samples, 200))
