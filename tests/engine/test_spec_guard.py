@@ -36,7 +36,7 @@ def test_guard_turns_speculation_off_when_it_measurably_loses():
     used = _drive(g, 4, 2000, lambda c: 1000.0 if c == 0 else 800.0 - 20 * c)
     assert g.current(4) == 0
     tail = used[500:]
-    assert sum(1 for c in tail if c) / len(tail) < 0.03  # settled: probes of speculation are rare
+    assert sum(1 for c in tail if c) / len(tail) < 0.05  # settled: probes of speculation are rare
     # measured throughput of the run's tail is within 3% of always-off
     rate = {c: (1000.0 if c == 0 else 800.0 - 20 * c) for c in range(7)}
     mean = len(tail) / sum(1 / rate[c] for c in tail)

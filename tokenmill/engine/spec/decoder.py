@@ -90,12 +90,12 @@ class SpecDecoder:
         if self.auto:
             guard = self.guard
             rcaps = [self.cap(r) for r in decoding]
-            initial = None
-            if not guard.has_bucket(n):  # a batch size not seen yet: start at the cost model's choice
+            suggest = None
+            if not guard.has_bucket(n):  # a batch size not seen yet: it starts off; the cost model's choice
                 budget = scheduler.config.max_num_batched_tokens if token_budget is None else token_budget
                 prefill = min(max(0, budget - n), scheduler.waiting_uncached_prompt_tokens())
-                initial = max(choose_k(self.snapshot(decoding, prefill, rcaps), self.policy))
-            cap_k = guard.cap(n, initial)
+                suggest = max(choose_k(self.snapshot(decoding, prefill, rcaps), self.policy))  # is its first probe
+            cap_k = guard.cap(n, suggest)
             self._guard_step = (n, cap_k)
             probing = cap_k != guard.current(n)  # a probe, like an exploration, is not the step's choice
             ks = [min(cap_k, c) for c in rcaps]  # the bucket's measured-best k (a probe: its neighbour)

@@ -11,7 +11,7 @@ the policy under the best measured cap.
 
     bucket(n)      decoding sequences -> 1, 2, 3-4, 5-8, ..., 65+ (batch-size tiers, like vLLM's and SGLang's
                    per-batch-size schedules)
-    arm            the cap in force for the bucket; starts at k_max (the policy unrestricted)
+    arm            the k in force for the bucket; starts at 0 (off), the cost model's choice is the first probe
     probe          every `probe_every` steps of a bucket, `probe_len` steps under a neighbouring cap (cur − 1
                    and cur + 1 alternately) and, every other probe, under cap 0 (off), so the reference stays
                    measured at the same batch size and the same moment of the machine's load; while off, the
@@ -37,12 +37,12 @@ from dataclasses import dataclass
 class GuardConfig:
     k_max: int = 6
     probe_every: int = 24  # steps of a bucket between probes (at first, and after a switch)
-    max_probe_every: int = 384  # the interval after repeated failed probes
-    probe_len: int = 4  # steps a probe runs under the probed cap
+    max_probe_every: int = 192  # the interval after repeated failed probes
+    probe_len: int = 8  # steps a probe runs under the probed cap (the first `settle` not recorded)
     min_samples: int = 8  # steps an arm needs before it can win or lose a comparison
     margin: float = 0.03  # a challenger must beat the current arm's measured rate by this (relative)
     decay: float = 0.95  # EMA weight of an arm's history per new observation of that arm
-    warmup: int = 2  # an arm's first observations, not recorded
+    settle: int = 2  # steps after a change of k that are not recorded (a draft's catch-up, new row counts)
     outlier: float = 4.0  # a step longer than this many times the arm's mean step counts as that long
 
     def __post_init__(self):
@@ -63,10 +63,9 @@ def bucket(n: int) -> int:
 
 
 class _Arm:
-    __slots__ = ("tokens", "seconds", "samples", "seen")
+    __slots__ = ("tokens", "seconds", "samples")
 
     def __init__(self):
-        self.seen = 0
         self.tokens = 0.0
         self.seconds = 0.0
         self.samples = 0
@@ -76,7 +75,8 @@ class _Arm:
 
 
 class _Bucket:
-    __slots__ = ("cur", "arms", "steps", "next_probe", "interval", "probe_arm", "probe_left", "num_probes")
+    __slots__ = ("cur", "arms", "steps", "next_probe", "interval", "probe_arm", "probe_left", "num_probes",
+                 "last_cap", "run", "seed")
 
     def __init__(self, k_max: int, probe_every: int, first_probe: int):
         self.cur = k_max
@@ -87,6 +87,9 @@ class _Bucket:
         self.probe_arm: int | None = None
         self.probe_left = 0
         self.num_probes = 0
+        self.last_cap: int | None = None  # the k of the last observed step, and how many in a row
+        self.run = 0
+        self.seed = k_max  # the first k probed from off
 
 
 class GoodputGuard:
@@ -98,17 +101,20 @@ class GoodputGuard:
     def _get(self, n: int) -> _Bucket:
         b = self.buckets.get(bucket(n))
         if b is None:
-            b = self.buckets[bucket(n)] = _Bucket(self.cfg.k_max, self.cfg.probe_every, self.cfg.min_samples + self.cfg.warmup + 1)
+            b = self.buckets[bucket(n)] = _Bucket(self.cfg.k_max, self.cfg.probe_every, self.cfg.min_samples + self.cfg.settle + 1)
         return b
 
     def has_bucket(self, n: int) -> bool:
         return bucket(n) in self.buckets
 
-    def cap(self, n: int, initial: int | None = None) -> int:
-        """The k for a step with n decoding sequences (advances the bucket's probe schedule); `initial`: the
-        arm a bucket not seen yet starts at (default k_max)."""
-        if initial is not None and bucket(n) not in self.buckets:
-            self._get(n).cur = max(0, min(self.cfg.k_max, initial))
+    def cap(self, n: int, suggest: int | None = None) -> int:
+        """The k for a step with n decoding sequences (advances the bucket's probe schedule). A bucket not
+        seen yet starts off (k = 0: speculation must be measured to pay before it runs); `suggest` (the cost
+        model's choice) is the first k it probes, default k_max."""
+        if bucket(n) not in self.buckets:
+            b = self._get(n)
+            b.cur = 0
+            b.seed = max(1, min(self.cfg.k_max, suggest or self.cfg.k_max))
         b = self._get(n)
         b.steps += 1
         if b.probe_left > 0:
@@ -123,7 +129,7 @@ class GoodputGuard:
             if arm is not None:
                 b.num_probes += 1
                 a = b.arms.get(arm)  # an arm not yet measured enough gets a probe long enough to compare
-                need = self.cfg.min_samples + self.cfg.warmup - (a.seen if a is not None else 0)
+                need = self.cfg.min_samples + self.cfg.settle - (a.samples if a is not None else 0)
                 length = max(self.cfg.probe_len, need)
                 b.probe_arm, b.probe_left = arm, length - 1
                 return arm
@@ -133,7 +139,7 @@ class GoodputGuard:
         k_max = self.cfg.k_max
         if b.cur == 0:  # off: try the best cap measured so far (the unrestricted policy if none was)
             on = [(a.rate(), k) for k, a in b.arms.items() if k and a.samples]
-            return max(on)[1] if on else k_max
+            return max(on)[1] if on else b.seed
         if b.num_probes % 2 == 0:
             return 0  # keep the off reference measured at this batch size
         step = 1 if (b.num_probes // 2) % 2 else -1
@@ -167,8 +173,10 @@ class GoodputGuard:
         arm = b.arms.get(cap)
         if arm is None:
             arm = b.arms[cap] = _Arm()
-        arm.seen += 1
-        if arm.seen <= self.cfg.warmup:  # an arm's first steps (fresh draft state, allocations) are not its rate
+        if cap != b.last_cap:
+            b.last_cap, b.run = cap, 0
+        b.run += 1
+        if b.run <= self.cfg.settle:  # the steps right after a change of k are not that k's steady rate
             return
         d = self.cfg.decay
         if arm.samples >= 3:  # a stall of the shared machine (another process, a GC pause) must not decide
@@ -180,7 +188,7 @@ class GoodputGuard:
 
     def current(self, n: int) -> int:
         b = self.buckets.get(bucket(n))
-        return b.cur if b is not None else self.cfg.k_max
+        return b.cur if b is not None else 0
 
     def rates(self, n: int) -> dict[int, float]:
         b = self.buckets.get(bucket(n))

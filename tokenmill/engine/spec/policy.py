@@ -1,6 +1,6 @@
 """The `auto` speculation length: k per sequence per step (0 = off), chosen to maximize expected accepted
 tokens per second. A pure function of a snapshot (no clock, no state): the engine and the simulator both
-call it. In the engine it now picks the starting k of a batch-size bucket; the goodput guard
+call it. In the engine it now picks the first k a batch-size bucket probes; the goodput guard
 (spec/guard.py) then keeps the k whose *measured* tokens/s is best, since this model's choices were
 measured below off (session 7: k = 0 for n-gram at batch 1 where a fixed k = 4 is 1.3x faster).
 
