@@ -43,11 +43,17 @@ def test_guard_turns_speculation_off_when_it_measurably_loses():
     assert mean >= 0.97 * 1000.0
 
 
-def test_guard_first_decision_is_quick():
-    # a short benchmark level or a fresh server bucket: the first comparison with off comes within ~2 min_samples
+def test_guard_starts_off_and_turns_on_quickly_when_the_suggested_k_pays():
+    # a fresh bucket runs off; its first probe is the cost model's suggestion, the first comparison comes
+    # within ~2 min_samples steps
     g = GoodputGuard(GuardConfig(k_max=6, min_samples=8))
-    used = _drive(g, 16, 40, lambda c: 1000.0 if c == 0 else 700.0)
-    assert g.current(16) == 0 and used[-1] == 0
+    assert g.cap(1, suggest=3) == 0
+    used = _drive(g, 1, 40, lambda c: 1000.0 if c == 0 else 1300.0)
+    assert g.current(1) == 3 and used[-1] == 3
+    # a big batch probes with k = 1, later: a probe there costs in proportion to the batch
+    big = GoodputGuard(GuardConfig(k_max=6))
+    used = _drive(big, 64, 300, lambda c: 1000.0 if c == 0 else 600.0)
+    assert big.current(64) == 0 and set(used) <= {0, 1} and used[:90] == [0] * 90
 
 
 def test_guard_keeps_speculating_when_it_wins_and_finds_the_best_cap():

@@ -76,7 +76,7 @@ class _Arm:
 
 class _Bucket:
     __slots__ = ("cur", "arms", "steps", "next_probe", "interval", "probe_arm", "probe_left", "num_probes",
-                 "last_cap", "run", "seed")
+                 "last_cap", "run", "seed", "base")
 
     def __init__(self, k_max: int, probe_every: int, first_probe: int):
         self.cur = k_max
@@ -90,6 +90,7 @@ class _Bucket:
         self.last_cap: int | None = None  # the k of the last observed step, and how many in a row
         self.run = 0
         self.seed = k_max  # the first k probed from off
+        self.base = probe_every  # the probe interval after a switch
 
 
 class GoodputGuard:
@@ -114,7 +115,13 @@ class GoodputGuard:
         if bucket(n) not in self.buckets:
             b = self._get(n)
             b.cur = 0
-            b.seed = max(1, min(self.cfg.k_max, suggest or self.cfg.k_max))
+            bk = bucket(n)
+            # a probe wakes every sequence's draft (a catch-up) and verifies k more rows per sequence: at a
+            # large batch it costs in proportion, so big buckets probe with k = 1 (if one draft does not pay
+            # there, more do not either) and less often
+            b.seed = 1 if bk > 4 else max(1, min(self.cfg.k_max, suggest or self.cfg.k_max))
+            b.base = b.interval = min(self.cfg.max_probe_every, self.cfg.probe_every * max(1, bk // 4))
+            b.next_probe = max(b.next_probe, b.interval)
         b = self._get(n)
         b.steps += 1
         if b.probe_left > 0:
@@ -160,7 +167,7 @@ class GoodputGuard:
         if best != b.cur:
             b.cur = best
             self.num_switches += 1
-            b.interval = cfg.probe_every
+            b.interval = b.base
         else:
             b.interval = min(cfg.max_probe_every, b.interval * 2)
         b.next_probe = b.steps + b.interval
