@@ -122,10 +122,10 @@ def test_auto_stops_speculating_with_a_draft_that_measurably_loses(monkeypatch):
     monkeypatch.setattr(cls, "propose", slow)
     llm = LLM("demo", kv_cache_bytes="32MiB", speculative_model="demo-draft", num_speculative_tokens="auto")
     sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    llm.generate(["def f(x):", "import os\n"], sp)
+    llm.generate(["def f(x):", "import os\n"], sp)  # the bucket (2 sequences) learns: its probes lose
     spec = llm.engine.spec
     chosen0 = dict(spec.stats.chosen_k)
-    llm.generate(["class Stack:", "    def __init__(self", "for i in range(10):\n"], sp)
+    llm.generate(["class Stack:", "    def __init__(self"], sp)  # the same batch size again
     chosen = {k: v - chosen0.get(k, 0) for k, v in spec.stats.chosen_k.items()}
     total = sum(chosen.values())
-    assert chosen.get(0, 0) / total > 0.9, chosen
+    assert chosen.get(0, 0) / total > 0.85, chosen  # what is left are the probes (always k = 4: 0 of them)
