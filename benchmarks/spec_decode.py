@@ -133,6 +133,13 @@ def bench_interleaved(title: str, configs: dict[str, dict], prompts: list[list[i
             if s is not None else "– | – | –"
         print(f"| {n} | {tps:.1f} | {tps / (ntok[base] / wall[base]):.2f}x | "
               f"{1000 * statistics.mean(decode_s[n]):.2f} | {same} | {acc} | {sw} |")
+    for n, e in es.items():  # auto's goodput guard (engine/spec/guard.py): the cap it settled on per bucket
+        g = e.spec.guard if e.spec is not None else None
+        if g is not None:
+            caps = {b: (st.cur, st.num_probes) for b, st in sorted(g.buckets.items())}
+            rates = {b: {k: round(a.rate()) for k, a in sorted(st.arms.items())} for b, st in sorted(g.buckets.items())}
+            print(f"\n{n}: guard (bucket: cap, probes) {caps}, cap switches {g.num_switches}, "
+                  f"measured tok/s per cap {rates}")
     print(f"\n({time.perf_counter() - t_start:.0f} s)")
 
 

@@ -69,11 +69,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "continuations (repeated 4-grams penalized), each followed by an MLE step")
     p.add_argument("--seq-ul-prefix", type=int, default=32, help="prefix tokens of a sequence-level UL step")
     p.add_argument("--seq-ul-len", type=int, default=64, help="greedy tokens generated per sequence-level UL step")
+    p.add_argument("--copy-frac", type=float, default=0.0,
+                   help="joint phase: this share of each batch's windows repeat their own start (a block of code "
+                        "that occurs twice), so the target learns to copy from its context")
     p.add_argument("--checkpoint", default=None,
                    help="state file: training saves it and exits with status 3 after --segment-s; re-run to resume")
     p.add_argument("--segment-s", type=float, default=540.0, help="seconds of training per segment (with --checkpoint)")
     p.add_argument("--quick", action="store_true", help="smoke run: a few steps, tiny eval")
     args = p.parse_args(argv)
+    if not 0 <= args.copy_frac <= 1:
+        p.error("--copy-frac must be in [0, 1]")
     if args.unlikelihood < 0 or args.ul_window < 1:
         p.error("--unlikelihood must be >= 0 and --ul-window >= 1")
     if args.seq_ul_steps < 0 or args.seq_ul_prefix < 1 or args.seq_ul_len < 4:
@@ -301,6 +306,21 @@ def seq_ul_prefixes(data: "Batches", batch: torch.Tensor, step: int, max_len: in
     return torch.cat([batch[:half, :length], starts[pick]], dim=0)
 
 
+def with_copies(batch: torch.Tensor, step: int, frac: float) -> torch.Tensor:
+    """The first round(frac * B) windows become a block and its repeat: tokens [0, L) then [0, S+1-L) again,
+    L in 128..383 (varying with the step). Code repeats blocks (a refactor, an edit, a test of the same call);
+    a model that never sees a long verbatim repeat does not learn to copy one (the n-gram proposer's edit
+    workload lives on it). Deterministic in the step. [B, S+1] -> [B, S+1]"""
+    m = round(frac * batch.shape[0])
+    if m == 0:
+        return batch
+    out = batch.clone()
+    length = 128 + (step * 37) % 256
+    width = batch.shape[1]
+    out[:m, length:] = batch[:m, : width - length]
+    return out
+
+
 # -- training -----------------------------------------------------------------------------------
 def save_checkpoint(path: Path, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
@@ -347,7 +367,7 @@ def train(args, target, draft, data: Batches) -> dict:
         raise SegmentDone(f"checkpoint {ckpt} at step {next_step}")
 
     for step in range(start, args.steps):
-        batch = data.batch(args.skip_batches + step)  # [B, S+1]
+        batch = with_copies(data.batch(args.skip_batches + step), step, args.copy_frac)  # [B, S+1]
         x, y = batch[:, :-1], batch[:, 1:].reshape(-1)
         t_logits = target(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)  # [B*S, V]
         t_loss = F.cross_entropy(t_logits, y)
@@ -411,7 +431,7 @@ def train(args, target, draft, data: Batches) -> dict:
 def checkpoint_args(args) -> dict:
     """The arguments a checkpoint must agree with to be resumed (not --segment-s, --out, --threads)."""
     keep = ("seed", "steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight", "init", "skip_batches",
-            "unlikelihood", "ul_window", "seq_ul_steps", "seq_ul_prefix", "seq_ul_len")
+            "unlikelihood", "ul_window", "seq_ul_steps", "seq_ul_prefix", "seq_ul_len", "copy_frac")
     return {k: getattr(args, k) for k in keep}
 
 
@@ -529,7 +549,8 @@ def main(argv=None) -> int:
         "init": args.init,
         "train_windows": len(train_w),
         "hyperparameters": {k: getattr(args, k) for k in ("steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight",
-                                                           "unlikelihood", "ul_window", "seq_ul_steps")},
+                                                           "unlikelihood", "ul_window", "seq_ul_steps",
+                                                           "copy_frac")},
         "heldout_eval": metrics,
         "train_log": log,
         "torch": torch.__version__,

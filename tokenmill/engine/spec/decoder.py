@@ -22,14 +22,12 @@ import torch
 from tokenmill.engine.outputs import TokenLogprob
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
+from tokenmill.engine.spec.guard import GoodputGuard, GuardConfig
 from tokenmill.engine.spec.policy import SpecPolicyConfig, SpecSnapshot, StepCost, choose_k
 from tokenmill.engine.spec.stats import Acceptance, SpecStats
 from tokenmill.engine.spec.step_cost import SpecStepCost, StepCostConfig
 from tokenmill.engine.spec.verify import verify_greedy, verify_sampled
 
-EXPLORE_EVERY = 8  # auto: every this many plans k may be perturbed by +1 / -1 (alternately) so the cost cells
-RE_EXPLORE_EVERY = 128  # see neighbouring shapes: only while the neighbour has < EXPLORE_SAMPLES samples, or
-EXPLORE_SAMPLES = 3  # every RE_EXPLORE_EVERY plans (costs drift with the machine's load)
 SHORT_CATCHUP = 16  # draft tokens a catch-up may hold and still be a steady-state step (the decode-kernel path)
 
 # the cost model's prior (seconds: base, per decoding seq, per drafted token, per draft step, per spec seq):
@@ -55,6 +53,11 @@ class SpecDecoder:
         self.prev_k: dict[str, int] = {}
         self.drafts: dict[str, object] = {}  # request id -> this step's Draft
         self.num_plans = 0
+        # auto: the cap on k per batch-size bucket by measured tokens/s (0 = off), so a wrong cost model
+        # cannot keep speculation below off (spec/guard.py); None for a fixed k
+        self.guard = GoodputGuard(GuardConfig(k_max=max_k)) if self.auto else None
+        self._guard_step: tuple[int, int] | None = None  # this decode step's (decoding seqs, cap or fixed k)
+        self._step_accepted = 0  # drafts kept in this step (tokens emitted = decoding seqs + this)
 
     # -- plan ------------------------------------------------------------------------------------
     def cap(self, req: Request) -> int:
@@ -75,50 +78,49 @@ class SpecDecoder:
     def plan(self, scheduler: Scheduler, token_budget: int | None) -> dict[str, int]:
         self._t_plan = time.perf_counter()
         self._shape = None
+        self._guard_step = None
+        self._step_accepted = 0
         decoding = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         if not decoding:
             return {}
         self.num_plans += 1
-        caps = [self.cap(r) for r in decoding]
-        if self.auto:
-            budget = scheduler.config.max_num_batched_tokens if token_budget is None else token_budget
-            prefill = min(max(0, budget - len(decoding)), scheduler.waiting_uncached_prompt_tokens())
-            ks = list(choose_k(self.snapshot(decoding, prefill, caps), self.policy))
-        else:
-            ks = [min(self.fixed_k, c) for c in caps]
+        n = len(decoding)
         st = self.stats
         chosen = st.chosen_k
+        if self.auto:
+            guard = self.guard
+            rcaps = [self.cap(r) for r in decoding]
+            suggest = None
+            if not guard.has_bucket(n):  # a batch size not seen yet: it starts off; the cost model's choice
+                budget = scheduler.config.max_num_batched_tokens if token_budget is None else token_budget
+                prefill = min(max(0, budget - n), scheduler.waiting_uncached_prompt_tokens())
+                suggest = max(choose_k(self.snapshot(decoding, prefill, rcaps), self.policy))  # is its first probe
+            cap_k = guard.cap(n, suggest)
+            self._guard_step = (n, cap_k)
+            probing = cap_k != guard.current(n)  # a probe, like an exploration, is not the step's choice
+            ks = [min(cap_k, c) for c in rcaps]  # the bucket's measured-best k (a probe: its neighbour)
+        else:
+            self._guard_step = (n, self.fixed_k)
+            rcaps = [self.cap(r) for r in decoding]
+            ks = [min(self.fixed_k, c) for c in rcaps]
+            probing = False
+        for k in ks:
+            chosen[k] = chosen.get(k, 0) + 1
+        if not probing:
+            self._record_k(decoding, ks, rcaps)
+        self._shape = (n, sum(ks), max(ks), sum(1 for k in ks if k))
+        return {r.request_id: k for r, k in zip(decoding, ks) if k}
+
+    def _record_k(self, decoding: list[Request], ks: list[int], caps: list[int]) -> None:
+        """The policy's choice becomes each sequence's previous k (the policy's hysteresis, the switch count)."""
+        st = self.stats
         prev_k = self.prev_k
         for r, k, cap in zip(decoding, ks, caps):
-            chosen[k] = chosen.get(k, 0) + 1
             rid = r.request_id
             prev = prev_k.get(rid)
             if prev is not None and prev != k and not k == cap < prev:  # a cap (the output's end) is no switch
                 st.num_k_switches += 1
             prev_k[rid] = k  # the policy's choice: an exploration below is not recorded as the previous k
-        if self.auto and self.num_plans % EXPLORE_EVERY == 0:
-            ks = self._explore(ks, caps)
-        n = len(decoding)
-        sk = sum(ks)
-        self._shape = (n, sk, max(ks), sum(1 for k in ks if k))
-        return {r.request_id: k for r, k in zip(decoding, ks) if k}
-
-    def _explore(self, ks: list[int], caps: list[int]) -> list[int]:
-        """Perturb every speculating sequence's k by +1 or -1 (alternately) when the cost model has (almost) no
-        measurement of the resulting shape, or every RE_EXPLORE_EVERY plans. A draft model is woken from k = 0
-        only by the periodic exploration (waking costs a catch-up of its KV: a step the cost model does not
-        record, but its verification measures α again); n-gram proposals cost nothing to wake."""
-        step = 1 if self.num_plans % (2 * EXPLORE_EVERY) == 0 else -1
-        kmax = self.policy.k_max
-        periodic = self.num_plans % RE_EXPLORE_EVERY == 0
-        wake = periodic or not self.proposer.has_kv
-        out = [min(cap, kmax, max(0, k + step)) if (k or wake) else k for k, cap in zip(ks, caps)]
-        if out == ks:
-            return ks
-        shape = (len(out), sum(out), max(out), sum(1 for k in out if k))
-        if self.cost.samples(*shape) >= EXPLORE_SAMPLES and not periodic:
-            return ks
-        return out
 
     # -- propose ---------------------------------------------------------------------------------
     def propose(self, sched: SchedulerOutput, requests: dict[str, Request], gens: dict) -> None:
@@ -130,7 +132,8 @@ class SpecDecoder:
         ks = [s.num_spec_slots for s in seqs]
         drafts = self.proposer.propose(reqs, ks, seqs, [gens.get(r.request_id) for r in reqs])
         if self.proposer.last_catchup > SHORT_CATCHUP:  # a long catch-up (first proposal) is a prefill: not
-            self._shape = None  # this shape's steady-state cost. A short one (a sequence back from a few k = 0
+            self._shape = None  # this shape's steady-state cost (nor a cap's: the guard skips the step too)
+            self._guard_step = None  # A short one (a sequence back from a few k = 0
             # steps beside others that speculated) is recorded: leaving those steps out left the mixed shapes
             # unmeasured and priced by the prior (measured: auto at 0.79x of off at c = 16)
         elif self._shape is not None:  # the shape as run: a lookup may find fewer tokens than k (or none)
@@ -143,16 +146,23 @@ class SpecDecoder:
                 s.num_logits = 1 + len(d.tokens)
 
     def observe_step(self, sched: SchedulerOutput) -> None:
-        """After postprocess: the whole step's time from plan() on (proposal, verify, bookkeeping) under its
-        planned shape. Steps with prefill chunks are left out (their tokens cost differently), and so are
-        steps whose proposal was a long draft catch-up."""
-        shape = self._shape
-        if shape is None or len(sched.seqs) != shape[0]:
+        """After postprocess: the whole step's time from plan() on (proposal, verify, bookkeeping). The cost
+        model records it under its planned shape, leaving out steps with prefill chunks (their tokens cost
+        differently) and steps whose proposal was a long draft catch-up (a request's first proposal: the draft's
+        prefill of the prompt, paid once per request whatever the cap); the guard records the other decode-only
+        steps' tokens per second under their cap, short catch-ups included (waking a draft after a few k = 0
+        steps is part of what a cap costs)."""
+        gs = self._guard_step
+        if gs is None or len(sched.seqs) != gs[0]:
             return
         for s in sched.seqs:
             if len(s.token_ids) != s.num_logits:
                 return
-        self.cost.observe(*shape, time.perf_counter() - self._t_plan)
+        seconds = time.perf_counter() - self._t_plan
+        if self.guard is not None:
+            self.guard.observe(gs[0], gs[1], gs[0] + self._step_accepted, seconds)
+        if self._shape is not None:
+            self.cost.observe(*self._shape, seconds)
 
     # -- verify ----------------------------------------------------------------------------------
     def verify(self, req: Request, logits: torch.Tensor, gen, default_gen) -> tuple[list[int], int]:
@@ -169,6 +179,7 @@ class SpecDecoder:
             st.num_drafts += 1
             st.num_draft_tokens += len(drafts)
             st.num_accepted_tokens += a
+            self._step_accepted += a
             if a > len(st.accepted_per_pos):
                 st.accepted_per_pos.extend([0] * (a - len(st.accepted_per_pos)))
             for j in range(a):

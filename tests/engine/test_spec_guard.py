@@ -1,0 +1,131 @@
+"""The `auto` goodput guard (engine/spec/guard.py): driven by a synthetic step cost (no clock), it must settle
+on the cap with the best *measured* tokens per second — off when speculation loses, whatever the policy's
+cost model believes — and probe rarely once settled. An engine test checks the same through the real step
+path with a draft made slow on purpose."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from tokenmill.engine.spec.guard import GoodputGuard, GuardConfig, bucket
+
+
+def _drive(guard: GoodputGuard, n: int, steps: int, rate_of_cap, seed: int = 0, noise: float = 0.05):
+    """Run `steps` decode steps of n sequences: tokens/s under cap c is rate_of_cap(c) (± noise, per step).
+    Returns the caps used, step by step."""
+    rnd = random.Random(seed)
+    used = []
+    for _ in range(steps):
+        c = guard.cap(n)
+        used.append(c)
+        tokens = n * (1 + min(c, 3))  # what a step emitted; the time follows from the rate
+        guard.observe(n, c, tokens, tokens / (rate_of_cap(c) * (1 + rnd.uniform(-noise, noise))))
+    return used
+
+
+def test_bucket_is_a_power_of_two_tier():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 64, 65, 1000)] == [1, 2, 4, 4, 8, 8, 16, 64, 128, 128]
+
+
+def test_guard_turns_speculation_off_when_it_measurably_loses():
+    # every cap > 0 is slower than off (the cost model's belief does not enter: only measurements)
+    g = GoodputGuard(GuardConfig(k_max=6))
+    used = _drive(g, 4, 2000, lambda c: 1000.0 if c == 0 else 800.0 - 20 * c)
+    assert g.current(4) == 0
+    tail = used[500:]
+    assert sum(1 for c in tail if c) / len(tail) < 0.05  # settled: probes of speculation are rare
+    # measured throughput of the run's tail is within 3% of always-off
+    rate = {c: (1000.0 if c == 0 else 800.0 - 20 * c) for c in range(7)}
+    mean = len(tail) / sum(1 / rate[c] for c in tail)
+    assert mean >= 0.97 * 1000.0
+
+
+def test_guard_starts_off_and_turns_on_quickly_when_the_suggested_k_pays():
+    # a fresh bucket runs off; its first probe is the cost model's suggestion, the first comparison comes
+    # within ~2 min_samples steps
+    g = GoodputGuard(GuardConfig(k_max=6, min_samples=8))
+    assert g.cap(1, suggest=3) == 0
+    used = _drive(g, 1, 40, lambda c: 1000.0 if c == 0 else 1300.0)
+    assert g.current(1) == 3 and used[-1] == 3
+    # a big batch probes with k = 1, later: a probe there costs in proportion to the batch
+    big = GoodputGuard(GuardConfig(k_max=6))
+    used = _drive(big, 64, 300, lambda c: 1000.0 if c == 0 else 600.0)
+    assert big.current(64) == 0 and set(used) <= {0, 1} and used[:90] == [0] * 90
+
+
+def test_guard_keeps_speculating_when_it_wins_and_finds_the_best_cap():
+    g = GoodputGuard(GuardConfig(k_max=6))
+    best = {0: 1000.0, 1: 1150.0, 2: 1300.0, 3: 1450.0, 4: 1550.0, 5: 1450.0, 6: 1350.0}
+    used = _drive(g, 1, 3000, best.__getitem__)
+    assert g.current(1) == 4
+    tail = used[1000:]
+    mean = len(tail) / sum(1 / best[c] for c in tail)
+    assert mean >= 0.97 * best[4]
+
+
+def test_guard_buckets_are_independent_and_follow_a_changed_load():
+    g = GoodputGuard(GuardConfig(k_max=4))
+    win = {0: 1000.0, 1: 1200.0, 2: 1300.0, 3: 1350.0, 4: 1400.0}
+    lose = {0: 5000.0, 1: 4000.0, 2: 3500.0, 3: 3000.0, 4: 2500.0}
+    _drive(g, 1, 1500, win.__getitem__)
+    _drive(g, 32, 1500, lose.__getitem__)
+    assert g.current(1) == 4 and g.current(32) == 0
+    # the machine changes: speculation at batch 1 now loses; the guard finds it again through its probes
+    _drive(g, 1, 4000, lambda c: 1000.0 if c == 0 else 600.0)
+    assert g.current(1) == 0
+
+
+def test_guard_turns_speculation_back_on_when_it_pays_again():
+    g = GoodputGuard(GuardConfig(k_max=6))
+    _drive(g, 1, 1500, lambda c: 1000.0 if c == 0 else 700.0 + 10 * c)
+    assert g.current(1) == 0
+    # now only long drafts pay (k = 1 is worse than off, as for a draft model whose forward has a fixed cost):
+    # climbing from off through k = 1 alone would never get there
+    pays = {0: 1000.0, 1: 900.0, 2: 1000.0, 3: 1150.0, 4: 1300.0, 5: 1350.0, 6: 1400.0}
+    _drive(g, 1, 4000, pays.__getitem__)
+    assert g.current(1) >= 5
+
+
+def test_guard_does_not_oscillate_at_a_steady_load():
+    g = GoodputGuard(GuardConfig(k_max=6))
+    rates = {0: 1000.0, 1: 1100.0, 2: 1150.0, 3: 1180.0, 4: 1190.0, 5: 1185.0, 6: 1170.0}  # a flat optimum
+    _drive(g, 2, 1000, rates.__getitem__, noise=0.1)
+    before = g.num_switches
+    _drive(g, 2, 3000, rates.__getitem__, seed=1, noise=0.1)
+    assert g.num_switches - before <= 6  # a few switches between near-equal caps in 3000 steps, not thrashing
+
+
+def test_guard_config_errors():
+    with pytest.raises(ValueError, match="k_max"):
+        GuardConfig(k_max=0)
+    with pytest.raises(ValueError, match="probe_every"):
+        GuardConfig(probe_every=10, max_probe_every=5)
+
+
+@pytest.mark.slow
+def test_auto_stops_speculating_with_a_draft_that_measurably_loses(monkeypatch):
+    """Through the engine: the draft's proposal is made 4 ms slower (a draft that costs more than it earns,
+    which the cost model's prior does not know); `auto` must end up off for nearly every step."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.engine.spec import proposers
+
+    cls = proposers.DraftModelProposer
+    orig = cls.propose
+
+    def slow(self, *a, **kw):
+        time.sleep(0.004)
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(cls, "propose", slow)
+    llm = LLM("demo", kv_cache_bytes="32MiB", speculative_model="demo-draft", num_speculative_tokens="auto")
+    sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    llm.generate(["def f(x):", "import os\n"], sp)  # the bucket (2 sequences) learns: its probes lose
+    spec = llm.engine.spec
+    chosen0 = dict(spec.stats.chosen_k)
+    llm.generate(["class Stack:", "    def __init__(self"], sp)  # the same batch size again
+    chosen = {k: v - chosen0.get(k, 0) for k, v in spec.stats.chosen_k.items()}
+    total = sum(chosen.values())
+    assert chosen.get(0, 0) / total > 0.85, chosen  # what is left are the probes (always k = 4: 0 of them)

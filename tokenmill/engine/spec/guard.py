@@ -1,0 +1,202 @@
+"""GoodputGuard: `auto`'s check against its own cost model, by measured throughput.
+
+The policy (spec/policy.py) chooses k per sequence from a *model* of the step's cost. When that model is
+wrong (a shape priced by the prior, a cost cell measured in a quiet moment and its neighbour in a busy one,
+the draft's catch-up after a k = 0 stretch, bookkeeping it does not see), `auto` can keep speculating while
+speculation measurably loses: session 6 measured draft `auto` at 0.89x of off at batch 1 and 0.76–0.83x
+through the server. The guard makes that impossible to sustain: per batch-size bucket it measures the
+throughput actually delivered (tokens emitted / seconds of the step, the engine's own timings) under each
+*cap* on k it lets the policy use (arm 0 = speculation off, arm K = the policy with every k ≤ K), and it runs
+the policy under the best measured cap.
+
+    bucket(n)      decoding sequences -> 1, 2, 3-4, 5-8, ..., 65+ (batch-size tiers, like vLLM's and SGLang's
+                   per-batch-size schedules)
+    arm            the k in force for the bucket; starts at 0 (off), the cost model's choice is the first probe
+    probe          every `probe_every` steps of a bucket, `probe_len` steps under a neighbouring cap (cur − 1
+                   and cur + 1 alternately) and, every other probe, under cap 0 (off), so the reference stays
+                   measured at the same batch size and the same moment of the machine's load; while off, the
+                   probe is the best cap measured so far. The first probe comes after `min_samples` steps, and
+                   a probe of an arm with fewer than `min_samples` samples runs until it has them, so a
+                   bucket has its first comparison within ~2·min_samples steps
+    switch         to the arm whose measured rate beats the current one's by `margin` (relative), each having
+                   at least `min_samples` steps; a failed probe doubles the probe interval (up to
+                   `max_probe_every`), a switch resets it: at a steady load the guard settles and probes
+                   rarely (bounded exploration cost), a changed load is found again.
+
+Each arm's rate is the ratio of two EMAs (tokens and seconds, per observation of that arm), so a step that
+emitted 5 tokens and one that emitted 1 weigh by their time. No clock is read here: the engine passes the
+measured seconds in (the policy and this guard run in the simulator as well).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    k_max: int = 6
+    probe_every: int = 24  # steps of a bucket between probes (at first, and after a switch)
+    max_probe_every: int = 192  # the interval after repeated failed probes
+    probe_len: int = 8  # steps a probe runs under the probed cap (the first `settle` not recorded)
+    min_samples: int = 8  # steps an arm needs before it can win or lose a comparison
+    margin: float = 0.03  # a challenger must beat the current arm's measured rate by this (relative)
+    decay: float = 0.95  # EMA weight of an arm's history per new observation of that arm
+    settle: int = 2  # steps after a change of k that are not recorded (a draft's catch-up, new row counts)
+    outlier: float = 4.0  # a step longer than this many times the arm's mean step counts as that long
+
+    def __post_init__(self):
+        if not 1 <= self.k_max <= 16:
+            raise ValueError(f"guard k_max must be in [1, 16], got {self.k_max}")
+        if self.probe_every < 1 or self.max_probe_every < self.probe_every or self.probe_len < 1:
+            raise ValueError("guard needs probe_every >= 1, max_probe_every >= probe_every, probe_len >= 1")
+        if self.min_samples < 1 or self.margin < 0 or not 0 < self.decay < 1 or self.outlier <= 1:
+            raise ValueError("guard needs min_samples >= 1, margin >= 0, decay in (0, 1), outlier > 1")
+
+
+def bucket(n: int) -> int:
+    """Decoding sequences -> bucket: 1, 2, 4 (3-4), 8 (5-8), ..., 64, then 65+ as 128."""
+    b = 1
+    while b < n and b < 128:
+        b *= 2
+    return b
+
+
+class _Arm:
+    __slots__ = ("tokens", "seconds", "samples")
+
+    def __init__(self):
+        self.tokens = 0.0
+        self.seconds = 0.0
+        self.samples = 0
+
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Bucket:
+    __slots__ = ("cur", "arms", "steps", "next_probe", "interval", "probe_arm", "probe_left", "num_probes",
+                 "last_cap", "run", "seed", "base")
+
+    def __init__(self, k_max: int, probe_every: int, first_probe: int):
+        self.cur = k_max
+        self.arms: dict[int, _Arm] = {}
+        self.steps = 0
+        self.interval = probe_every
+        self.next_probe = first_probe
+        self.probe_arm: int | None = None
+        self.probe_left = 0
+        self.num_probes = 0
+        self.last_cap: int | None = None  # the k of the last observed step, and how many in a row
+        self.run = 0
+        self.seed = k_max  # the first k probed from off
+        self.base = probe_every  # the probe interval after a switch
+
+
+class GoodputGuard:
+    def __init__(self, cfg: GuardConfig | None = None):
+        self.cfg = cfg or GuardConfig()
+        self.buckets: dict[int, _Bucket] = {}
+        self.num_switches = 0  # changes of a bucket's arm (reported beside the k switches)
+
+    def _get(self, n: int) -> _Bucket:
+        b = self.buckets.get(bucket(n))
+        if b is None:
+            b = self.buckets[bucket(n)] = _Bucket(self.cfg.k_max, self.cfg.probe_every, self.cfg.min_samples + self.cfg.settle + 1)
+        return b
+
+    def has_bucket(self, n: int) -> bool:
+        return bucket(n) in self.buckets
+
+    def cap(self, n: int, suggest: int | None = None) -> int:
+        """The k for a step with n decoding sequences (advances the bucket's probe schedule). A bucket not
+        seen yet starts off (k = 0: speculation must be measured to pay before it runs); `suggest` (the cost
+        model's choice) is the first k it probes, default k_max."""
+        if bucket(n) not in self.buckets:
+            b = self._get(n)
+            b.cur = 0
+            bk = bucket(n)
+            # a probe wakes every sequence's draft (a catch-up) and verifies k more rows per sequence: at a
+            # large batch it costs in proportion, so big buckets probe with k = 1 (if one draft does not pay
+            # there, more do not either) and less often
+            b.seed = 1 if bk > 4 else max(1, min(self.cfg.k_max, suggest or self.cfg.k_max))
+            b.base = b.interval = min(self.cfg.max_probe_every, self.cfg.probe_every * max(1, bk // 4))
+            b.next_probe = max(b.next_probe, b.interval)
+        b = self._get(n)
+        b.steps += 1
+        if b.probe_left > 0:
+            b.probe_left -= 1
+            return b.probe_arm
+        if b.probe_arm is not None:  # a probe just ended: compare
+            self._decide(b)
+            b.probe_arm = None
+        if b.steps >= b.next_probe:
+            arm = self._probe_target(b)
+            b.next_probe = b.steps + b.interval
+            if arm is not None:
+                b.num_probes += 1
+                a = b.arms.get(arm)  # an arm not yet measured enough gets a probe long enough to compare
+                need = self.cfg.min_samples + self.cfg.settle - (a.samples if a is not None else 0)
+                length = max(self.cfg.probe_len, need)
+                b.probe_arm, b.probe_left = arm, length - 1
+                return arm
+        return b.cur
+
+    def _probe_target(self, b: _Bucket) -> int | None:
+        k_max = self.cfg.k_max
+        if b.cur == 0:  # off: try the best cap measured so far (the unrestricted policy if none was)
+            on = [(a.rate(), k) for k, a in b.arms.items() if k and a.samples]
+            return max(on)[1] if on else b.seed
+        if b.num_probes % 2 == 0:
+            return 0  # keep the off reference measured at this batch size
+        step = 1 if (b.num_probes // 2) % 2 else -1
+        for cand in (b.cur + step, b.cur - step):
+            if 1 <= cand <= k_max:
+                return cand
+        return None
+
+    def _decide(self, b: _Bucket) -> None:
+        cfg = self.cfg
+        cur = b.arms.get(b.cur)
+        if cur is None or cur.samples < cfg.min_samples:
+            return
+        best, best_rate = b.cur, cur.rate() * (1 + cfg.margin)
+        for k, arm in b.arms.items():
+            if k != b.cur and arm.samples >= cfg.min_samples and arm.rate() > best_rate:
+                best, best_rate = k, arm.rate()
+        if best != b.cur:
+            b.cur = best
+            self.num_switches += 1
+            b.interval = b.base
+        else:
+            b.interval = min(cfg.max_probe_every, b.interval * 2)
+        b.next_probe = b.steps + b.interval
+
+    def observe(self, n: int, cap: int, tokens: int, seconds: float) -> None:
+        """A decode-only step with n decoding sequences ran under `cap`, emitted `tokens` in `seconds`."""
+        if n <= 0 or tokens <= 0 or not seconds > 0:
+            return
+        b = self._get(n)
+        arm = b.arms.get(cap)
+        if arm is None:
+            arm = b.arms[cap] = _Arm()
+        if cap != b.last_cap:
+            b.last_cap, b.run = cap, 0
+        b.run += 1
+        if b.run <= self.cfg.settle:  # the steps right after a change of k are not that k's steady rate
+            return
+        d = self.cfg.decay
+        if arm.samples >= 3:  # a stall of the shared machine (another process, a GC pause) must not decide
+            mean = arm.seconds * (1 - d) / (1 - d ** min(arm.samples, 200))
+            seconds = min(seconds, self.cfg.outlier * mean)
+        arm.tokens = d * arm.tokens + tokens
+        arm.seconds = d * arm.seconds + seconds
+        arm.samples += 1
+
+    def current(self, n: int) -> int:
+        b = self.buckets.get(bucket(n))
+        return b.cur if b is not None else 0
+
+    def rates(self, n: int) -> dict[int, float]:
+        b = self.buckets.get(bucket(n))
+        return {k: a.rate() for k, a in sorted(b.arms.items())} if b is not None else {}
