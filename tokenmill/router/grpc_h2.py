@@ -188,12 +188,16 @@ class GrpcH2Protocol(asyncio.Protocol):
         self.server = server
         self.loop = asyncio.get_running_loop()
         self.calls: dict[int, Call] = {}
+        # outbound headers are this module's own constants (lower-case, valid): h2 need not re-validate and
+        # normalize them on every send
         self.h2 = _H2Connection(h2.config.H2Configuration(
-            client_side=False, header_encoding=None, validate_inbound_headers=True), self.calls)
+            client_side=False, header_encoding=None, validate_inbound_headers=True, validate_outbound_headers=False,
+            normalize_outbound_headers=False), self.calls)
         self.transport: asyncio.Transport | None = None
         self.flush_scheduled = False
         self.window_waiters: dict[int, asyncio.Future] = {}  # stream id (0: the connection) -> a waiting writer
         self.closing = False
+        self.receiving = False  # inside data_received: it writes what h2 has to send at its end
 
     # -- I/O
     def connection_made(self, transport) -> None:
@@ -239,9 +243,18 @@ class GrpcH2Protocol(asyncio.Protocol):
             self.flush()  # h2 queued its GOAWAY
             self.loop.call_soon(self._close_transport)
             return
-        for ev in events:
-            self._event(ev)
-        self.flush()
+        self.receiving = True
+        try:
+            for ev in events:
+                self._event(ev)
+        finally:
+            self.receiving = False
+        # what the events produced (answers sent from the sinks, window updates) goes out now, in this
+        # callback, not after the other callbacks ready in this loop turn (a flush they scheduled finds
+        # nothing left to write)
+        data = self.h2.data_to_send()
+        if data and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
 
     def _close_transport(self) -> None:
         if self.transport is not None:
@@ -381,7 +394,8 @@ class GrpcH2Protocol(asyncio.Protocol):
             call.headers_sent = True
             self.h2.send_headers(call.sid, [(b":status", b"200"), (b"content-type", b"application/grpc")])
         self.h2.send_data(call.sid, b"\x00" + len(message).to_bytes(4, "big") + message)
-        self.flush()
+        if not self.receiving:  # (inside data_received the write at its end takes it)
+            self.flush()
         return True
 
     async def send_message(self, call: Call, payload: bytes) -> None:
