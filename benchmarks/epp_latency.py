@@ -18,7 +18,11 @@ upstream: response headers after a simulated TTFT (30 ms), a first SSE chunk, an
 after a simulated decode (300 ms), so the picker's load view sees the traffic it routed.
 
 `lag` is how late this client started requests against its schedule: when it is large the client, not
-the picker, was the bottleneck and the row is not a measurement of the picker.
+the picker, was the bottleneck and the row is not a measurement of the picker. With `--client raw` the
+latency is taken on the wire as the client sees it — from the moment its HEADERS frame is written to the
+socket to the moment the answer is parsed off the socket (in data_received, before the waiting task runs)
+— and `send lag` is how late that write was against the schedule; the `task-measured` p99 is the older
+measure (from the task's own clock before the send to its wake-up after the answer).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_common import wait_http  # noqa: E402
 
 PY = sys.executable
-PICKERS = ("picker", "picker-uvloop", "picker-h2", "picker-h2-uvloop", "baseline")
+PICKERS = ("picker", "picker-uvloop", "picker-h2", "picker-h2-uvloop", "baseline", "baseline-h2-uvloop")
 SERVERS = (*PICKERS, "echo-h2", "echo-aio", "echo-aio-uvloop", "echo-aio-rw", "echo-aio-opts", "echo-aio-x2", "echo-sync")
 # the ext_proc message patterns a gateway can be configured for (processing_mode), per request:
 #   full          request headers + body (FULL_DUPLEX_STREAMED), response headers, every response body chunk
@@ -322,7 +326,7 @@ async def drive_raw(epp_port: int, rate: float, duration_s: float, ttft_s: float
     gap_s = decode_s / max(1, chunks - 1)
     last_chunk = pb.ProcessingRequest(
         response_body=pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True)).SerializeToString()
-    lat, lags, outcomes, picks, starts = [], [], {}, {}, []
+    lat, lags, outcomes, picks, starts, task_lat, send_lags = [], [], {}, {}, [], [], []
     conns = [await RawGrpcConnection.connect("127.0.0.1", epp_port, "/envoy.service.ext_proc.v3.ExternalProcessor/Process")
              for _ in range(n_channels)]
 
@@ -336,7 +340,12 @@ async def drive_raw(epp_port: int, rate: float, duration_s: float, ttft_s: float
         call.write(headers)
         call.write(body_msg)
         first = pb.ProcessingResponse.FromString(await call.read())
-        lat.append(time.perf_counter() - t)
+        task_lat.append(time.perf_counter() - t)
+        # the round trip on the wire as this client sees it: its HEADERS frame written to the socket -> the
+        # answer parsed off the socket (data_received), so this task's own wake-up is not in it; how late the
+        # write was against the schedule is `send_lags`
+        lat.append(call.first_at - call.sent_at)
+        send_lags.append(call.sent_at - due)
         starts.append(t - start)
         if first.HasField("immediate_response"):
             code = first.immediate_response.status.code
@@ -390,7 +399,8 @@ async def drive_raw(epp_port: int, rate: float, duration_s: float, ttft_s: float
     for c in conns:
         c.close()
     return {"lat": lat, "lags": lags, "outcomes": outcomes, "picks": picks, "wall_s": time.perf_counter() - start,
-            "client_cpu_s": time.process_time() - cpu0, "starts": starts}
+            "client_cpu_s": time.process_time() - cpu0, "starts": starts, "task_lat": task_lat,
+            "send_lags": send_lags}
 
 
 async def sequential_picks(epp_port: int, n: int, client: str) -> list[str]:
@@ -625,7 +635,7 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
     (the gateway elsewhere); shared: every process on every core."""
     hport, eport = free_port(), free_port()
     env = ENV
-    if server == "baseline":  # the same picker from another checkout (before / after in one run)
+    if server.startswith("baseline"):  # the same picker from another checkout (before / after in one run)
         env = {**ENV, "PYTHONPATH": args.baseline_src}
     copies = 1
     if server in PICKERS:
@@ -633,7 +643,7 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
                "--admission", mode, "--log-level", "warning"]
         if server != "baseline":  # (the baseline predates --event-loop: asyncio, and --epp-transport: grpcio)
             cmd += ["--event-loop", "uvloop" if server.endswith("-uvloop") else "asyncio",
-                    "--epp-transport", "h2" if server.startswith("picker-h2") else "grpcio"]
+                    "--epp-transport", "h2" if server.startswith(("picker-h2", "baseline-h2")) else "grpcio"]
         for p in ports:
             cmd += ["--worker", f"tokenmill=http://127.0.0.1:{p}"]
     else:
@@ -646,7 +656,7 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd = ["py-spy", "record", "--format", "raw", "--rate", "250", "--nonblocking", "-o", str(out), "--"] + cmd
     # cwd: `python -m` puts it first on sys.path, before PYTHONPATH (the baseline must not import this checkout)
-    cwd = args.baseline_src if server == "baseline" else None
+    cwd = args.baseline_src if server.startswith("baseline") else None
     everything = set(range(os.cpu_count()))
     if placement == "pinned":
         cmd = ["taskset", "-c", "1"] + cmd
@@ -697,7 +707,8 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
             len(r["picks"]), shares(m0, m1) if m0 else None,
             (m1["gc_n"] - m0["gc_n"], (m1["gc_s"] - m0["gc_s"]) * 1e3, m1["gc_long"] - m0["gc_long"]) if m0 else None,
             m1["held"] - m0["held"] if m0 else None, others, tcp, loop_busy,
-            e2e_quantiles(m0, m1) if m0 and "e2e" in m1 else None)
+            e2e_quantiles(m0, m1) if m0 and "e2e" in m1 else None,
+            (pct(r["task_lat"], 0.99) * 1e3, pct(r["send_lags"], 0.99) * 1e3) if "task_lat" in r else None)
 
 
 def verify_client(n: int, ports: list[int], args) -> int:
@@ -782,7 +793,7 @@ def main(argv=None) -> int:
         print(f"# CPU: {capabilities().summary()}", flush=True)
         in_process(args.in_process, args.workers, args.admission or ["off", "leading"])
         return 0
-    if "baseline" in (args.server or ()) and not args.baseline_src:
+    if any(s.startswith("baseline") for s in args.server or ()) and not args.baseline_src:
         ap.error("--server baseline needs --baseline-src DIR")
     if args.stub_workers:
         stub_workers([int(p) for p in args.stub_workers.split(",")])
@@ -816,19 +827,20 @@ def main(argv=None) -> int:
         stubs.terminate()
         stubs.wait(10)
     print("| placement, pattern, server | decisions/s done | p50 ms | p90 ms | p99 ms | max ms "
-          "| picker e2e p50 / p99 ms (<= 2 ms) | client lag p99 ms "
+          "| picker e2e p50 / p99 ms (<= 2 ms) | client lag p99 ms | raw client: send lag p99 / task-measured p99 ms "
           "| server CPU ms/request | server loop thread busy | client CPU ms/request | in-picker <= 0.5 / 1 / 2 ms "
           "| picker GC pauses (total ms; long) | held | other load (cores) | TCP zero-window / loss probe / RTO "
           "| answers | endpoints used |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (label, done, p50, p90, p99, mx, lag, cpu, ccpu, outcomes, used, inside, gcs, held, others, tcp, loop,
-         e2e) in rows:
+         e2e, raw) in rows:
         answers = ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items(), key=str))
         shares = " / ".join(f"{100 * inside[le]:.1f}%" for le in (0.0005, 0.001, 0.002)) if inside else "-"
         gcs_text = "-" if gcs is None or gcs == (0, 0, 0) and "baseline" in label else \
             f"{gcs[0]:.0f} ({gcs[1]:.1f}; {gcs[2]:.0f} > 5 ms)"
         e2e_text = "-" if e2e is None else f"{e2e[0]:.2f} / {e2e[1]:.2f} ({100 * e2e[2]:.1f}%)"
-        print(f"| {label} | {done:.0f} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {mx:.2f} | {e2e_text} | {lag:.2f} "
+        raw_text = "-" if raw is None else f"{raw[1]:.2f} / {raw[0]:.2f}"
+        print(f"| {label} | {done:.0f} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {mx:.2f} | {e2e_text} | {lag:.2f} | {raw_text} "
               f"| {cpu:.3f} | {100 * loop:.0f}% | {ccpu:.3f} | {shares} | {gcs_text} "
               f"| {'-' if held is None else f'{held:.0f}'} | {others:.2f} | {tcp} | {answers} | {used} |")
     return 0

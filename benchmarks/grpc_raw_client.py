@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import time
 from collections import deque
 
 from hpack import Decoder
@@ -65,7 +66,8 @@ class CallError(Exception):
 class Call:
     """One gRPC bidi call (one HTTP/2 stream)."""
 
-    __slots__ = ("conn", "sid", "buf", "messages", "waiter", "status", "error", "closed_local")
+    __slots__ = ("conn", "sid", "buf", "messages", "waiter", "status", "error", "closed_local", "sent_at",
+                 "first_at")
 
     def __init__(self, conn: "RawGrpcConnection", sid: int):
         self.conn, self.sid = conn, sid
@@ -75,6 +77,8 @@ class Call:
         self.status: str | None = None  # grpc-status once the trailers came
         self.error: str | None = None
         self.closed_local = False
+        self.sent_at: float | None = None  # perf_counter when its HEADERS frame was handed to the socket
+        self.first_at: float | None = None  # perf_counter when its first answer message was parsed off the socket
 
     def write(self, message: bytes) -> None:
         """Send one serialized protobuf message (a gRPC length-prefixed message in one DATA frame)."""
@@ -118,6 +122,8 @@ class Call:
                 break
             self.messages.append(bytes(buf[5:5 + n]))
             del buf[:5 + n]
+            if self.first_at is None:
+                self.first_at = time.perf_counter()
         self._wake()
 
 
@@ -134,6 +140,7 @@ class RawGrpcConnection(asyncio.Protocol):
         self.calls: dict[int, Call] = {}
         self.next_sid = 1
         self.out: list[bytes] = []
+        self.opened: list[Call] = []  # calls whose HEADERS wait in `out` (their send time is stamped at the write)
         self.flush_scheduled = False
         self.inbuf = bytearray()
         self.send_window = 65535  # the connection's, as the server grants it
@@ -164,13 +171,19 @@ class RawGrpcConnection(asyncio.Protocol):
         self.flush_scheduled = False
         if self.out and self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"".join(self.out))
+            if self.opened:
+                t = time.perf_counter()
+                for call in self.opened:
+                    call.sent_at = t
         self.out.clear()
+        self.opened.clear()
 
     def open(self) -> Call:
         if self.lost is not None:
             raise CallError(self.lost)
         sid, self.next_sid = self.next_sid, self.next_sid + 2
         call = self.calls[sid] = Call(self, sid)
+        self.opened.append(call)
         self.stream_windows[sid] = self.stream_initial
         h = self.head
         self._write(h[:5] + struct.pack(">I", sid) + h[9:])

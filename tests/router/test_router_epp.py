@@ -346,6 +346,70 @@ def test_a_request_held_by_admission_waits_in_its_stream_and_is_picked_when_work
     run(with_epp(router, main))
 
 
+def test_a_held_request_whose_stream_is_dropped_leaves_its_queue_and_is_never_dispatched():
+    """The gateway cancels the stream while admission holds the request: the queue entry goes, and the work
+    finishing afterwards dispatches nothing to the dead stream (no load left anywhere)."""
+    cls = WorkloadClass("interactive", ttft_slo_s=3.0, tpot_slo_s=1.0, priority=0, max_queue=8, max_wait_s=2.5)
+    router = make_router(classes=(cls,), admission=AdmissionConfig(mode="leading", hold_drain="fast"))
+    busy = [(w, w.start("busy", 30_000, 3.6, router.clock(), max_tokens=1)) for w in router.pool]
+
+    async def main(envoy, server):
+        call = envoy.open()
+        await call.write(envoy.headers())
+        await call.write(envoy.body(json.dumps({"prompt": "hi " * 50, "max_tokens": 4}).encode()))
+        for _ in range(100):
+            if router.queues.depths()["interactive"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert router.queues.depths()["interactive"] == 1 and router.in_flight == 1
+        call.cancel()
+        for _ in range(100):
+            if router.in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert router.in_flight == 0 and router.queues.depths()["interactive"] == 0
+        for w, f in busy:
+            w.finish(f, router.clock(), 1)
+        router.pump()
+        await asyncio.sleep(0.05)
+        assert all(w.outstanding == 0 for w in router.pool)
+
+    run(with_epp(router, main))
+
+
+def test_an_exchange_closed_before_its_held_pick_is_awaited_releases_the_queue_entry_or_the_pick():
+    """_Exchange.step answers a held request with an awaitable: if the stream closes before anyone awaits it
+    (the h2 transport answers from a callback and starts a task only for such waits), close() takes the entry
+    out of its class queue — or, when the pump already picked a worker for it, finishes that attempt."""
+    from tokenmill.router.epp import EppMetrics, _Exchange
+
+    cls = WorkloadClass("interactive", ttft_slo_s=3.0, tpot_slo_s=1.0, priority=0, max_queue=8, max_wait_s=2.5)
+
+    async def main():
+        for picked_first in (False, True):
+            router = make_router(classes=(cls,), admission=AdmissionConfig(mode="leading", hold_drain="fast"))
+            busy = [(w, w.start("busy", 30_000, 3.6, router.clock(), max_tokens=1)) for w in router.pool]
+            ex = _Exchange(router, EppMetrics(router.metrics.registry))
+            assert ex.step(Envoy.headers()) == []
+            out = ex.step(Envoy.body(json.dumps({"prompt": "hi " * 50, "max_tokens": 4}).encode()))
+            assert not isinstance(out, list) and router.queues.depths()["interactive"] == 1
+            if picked_first:  # the work drains: the pump dispatches the held request before its waiter runs
+                for w, f in busy:
+                    w.finish(f, router.clock(), 1)
+                router.pump()
+                assert sum(w.outstanding for w in router.pool) == 1
+            ex.close()
+            out.close()  # (the coroutine nobody will await)
+            assert router.in_flight == 0 and router.queues.depths()["interactive"] == 0
+            if not picked_first:
+                for w, f in busy:
+                    w.finish(f, router.clock(), 1)
+                router.pump()
+            assert all(w.outstanding == 0 for w in router.pool), picked_first
+
+    run(main())
+
+
 def test_served_endpoint_moves_the_load_and_streaming_responses_feed_the_first_token():
     router = make_router(policy="least-load")
 

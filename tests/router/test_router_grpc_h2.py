@@ -157,7 +157,9 @@ def test_an_epp_request_with_a_large_body_is_picked_and_passed_back_whole():
 
 def test_many_concurrent_streams_on_one_connection():
     """400 ext_proc streams open at once on one HTTP/2 connection (h2's default limit would be 100): every
-    one picked, the load view holds all 400, and all are released at the end."""
+    one picked, the load view holds all 400, and all are released at the end. The open-stream count h2 checks
+    new streams against is the server's own (its live calls), and closed streams (cancelled, finished) leave
+    h2's stream table at once instead of at h2's next O(streams) walk."""
     router = make_router(admission=AdmissionConfig(mode="off"))
 
     async def main():
@@ -176,12 +178,34 @@ def test_many_concurrent_streams_on_one_connection():
             calls = await asyncio.gather(*(one(i) for i in range(400)))
             assert {ep for _, ep in calls} <= set(ENDPOINTS)
             assert router.in_flight == 400
-            for call, _ in calls:
+            (conn,) = server.server.connections
+            assert conn.h2.open_inbound_streams == len(conn.calls) == 400
+            # a quarter cancelled, a quarter finished: the server forgets each at once, and so does h2's
+            # state machine (it holds only the live streams; the closed ones it only remembers how they closed)
+            for call, _ in calls[:100]:
+                call.cancel()
+            for call, _ in calls[100:200]:
                 await call.done_writing()
-            for call, _ in calls:
+            for call, _ in calls[100:200]:
+                assert await call.read() is grpc.aio.EOF
+            for _ in range(100):
+                if len(conn.calls) == 200:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(conn.calls) == 200 and router.in_flight == 200
+            assert set(conn.h2.streams) == set(conn.calls) and conn.h2.open_inbound_streams == 200
+            assert len(conn.h2._closed_streams) >= 200  # how each closed is remembered (late frames)
+            call, ep = await one(1000)
+            assert ep in ENDPOINTS and len(conn.calls) == 201
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF
+            for call, _ in calls[200:]:
+                await call.done_writing()
+            for call, _ in calls[200:]:
                 assert await call.read() is grpc.aio.EOF
             await asyncio.sleep(0.05)
             assert router.in_flight == 0
+            assert not conn.calls and not conn.h2.streams and conn.h2.open_inbound_streams == 0
         finally:
             await envoy.channel.close()
             await server.stop(0)

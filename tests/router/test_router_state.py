@@ -367,3 +367,41 @@ def test_slo_margin_widens_on_missed_deadlines_and_returns_to_one_when_none_miss
     for _ in range(20000):
         k.update(missed=rng.random() < 0.03)
     assert 1.0 <= k.value < 1.6
+
+
+def test_the_least_pending_deadline_kept_by_start_and_end_prefill_equals_a_fresh_scan():
+    """WorkerState keeps the least TTFT deadline of its pending attempts up to date as they start and end
+    (one scan per change of the least instead of one per view): on random sequences of starts, first tokens,
+    end_prefills and finishes, every view's pending_slack_s equals the one a fresh scan gives."""
+    import math
+    import random
+
+    from tokenmill.router.rates import RatePriors
+    from tokenmill.router.worker_state import WorkerSpec, WorkerState
+
+    rng = random.Random(7)
+    for trial in range(30):
+        w = WorkerState(WorkerSpec("http://127.0.0.1:9"), RatePriors())
+        live, now = [], 0.0
+        for step in range(300):
+            now += rng.random() * 0.01
+            op = rng.random()
+            if op < 0.45 or not live:
+                deadline = rng.choice([math.inf, now + rng.random() * 3, now + 1.0, 5.0])
+                live.append(w.start(f"r{step}", rng.randrange(1, 500), 0.1, now, ttft_deadline_s=deadline,
+                                    max_tokens=4))
+            else:
+                f = live.pop(rng.randrange(len(live)))
+                kind = rng.random()
+                if kind < 0.3:
+                    w.first_token(f, now)
+                    w.finish(f, now, 2)
+                elif kind < 0.6:
+                    w.end_prefill(f, now, served=rng.random() < 0.5)
+                    w.finish(f, now, 0)
+                else:
+                    w.finish(f, now, 0)
+            pending = [f for f in live if not f.prefill_done]
+            least = min((f.ttft_deadline_s for f in pending), default=None)
+            fresh = None if least is None or least == math.inf else least - now
+            assert w.view(0, now).pending_slack_s == fresh, (trial, step)

@@ -34,6 +34,7 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -50,6 +51,7 @@ from prometheus_client import Counter, Histogram
 from tokenmill.errors import InvalidRequestError
 from tokenmill.router.request_fields import read_request
 from tokenmill.router.router import Refused, RequestCtx, Router
+from tokenmill.router.queues import Held
 from tokenmill.router.worker_state import InFlight
 
 log = logging.getLogger("tokenmill.router.epp")
@@ -168,8 +170,15 @@ class _Exchange:
     done: bool = False
     prefill_timer: asyncio.TimerHandle | None = None
     answered: bool = False  # the answer to the request (endpoint or refusal) was returned by handle()
+    held: Held | None = None  # admission holds the request (its class queue entry) until it is picked or refused
 
     async def handle(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        out = self.step(req)
+        return out if isinstance(out, list) else await out
+
+    def step(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse] | Awaitable[list[pb.ProcessingResponse]]:
+        """The answers to one message: a list when they are known now (every message but a request that
+        admission holds), else an awaitable of them (the held request's pick, or its refusal)."""
         if req.HasField("protocol_config"):
             self.full_duplex_request = req.protocol_config.request_body_mode == FULL_DUPLEX
             self.full_duplex_response = req.protocol_config.response_body_mode == FULL_DUPLEX
@@ -180,7 +189,7 @@ class _Exchange:
             subset = _metadata_value(req.metadata_context, SUBSET_NAMESPACE, SUBSET_KEY)
             self.subset = None if subset is None else _split_endpoints(subset)
             if req.request_headers.end_of_stream:  # no body (GET): pick with an empty prompt
-                return await self._pick(b"", "request_headers")
+                return self._pick(b"", "request_headers")
             if self.full_duplex_request:
                 return []  # answered with the body, once the endpoint is picked
             return [HEADERS_ACK]
@@ -197,14 +206,16 @@ class _Exchange:
                 if self.full_duplex_request:
                     return []
                 return [BODY_ACK]
-            return await self._pick(bytes(self.body), "request_body")
+            return self._pick(bytes(self.body), "request_body")
         if which == "request_trailers":
             trailers = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
             if self.full_duplex_request and not self.answered:
                 # the body ended with trailers instead of end_of_stream (FULL_DUPLEX_STREAMED needs
                 # request_trailer_mode SEND): the body is complete now, pick; its passthrough is not the end
-                out = await self._pick(bytes(self.body), "request_body", body_eos=False)
-                return out if self.ctx is None else [*out, trailers]
+                out = self._pick(bytes(self.body), "request_body", body_eos=False)
+                if isinstance(out, list):
+                    return out if self.ctx is None else [*out, trailers]
+                return self._then_trailers(out, trailers)
             return [trailers]
         if which == "response_headers":
             self._served(req.metadata_context, req.response_headers)
@@ -223,6 +234,11 @@ class _Exchange:
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
 
+    async def _then_trailers(self, out: Awaitable[list[pb.ProcessingResponse]],
+                             trailers: pb.ProcessingResponse) -> list[pb.ProcessingResponse]:
+        answers = await out
+        return answers if self.ctx is None else [*answers, trailers]
+
     def _body_passthrough(self, body: bytes, eos: bool) -> pb.ProcessingResponse:
         if self.full_duplex_request:
             return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
@@ -240,7 +256,8 @@ class _Exchange:
             ctx.only = frozenset(by_endpoint[e] for e in self.subset if e in by_endpoint)
         return ctx
 
-    async def _pick(self, body: bytes, phase: str, body_eos: bool = True) -> list[pb.ProcessingResponse]:
+    def _pick(self, body: bytes, phase: str, body_eos: bool = True
+              ) -> list[pb.ProcessingResponse] | Awaitable[list[pb.ProcessingResponse]]:
         router, m = self.router, self.metrics
         t0 = time.perf_counter()
         self.answered = True  # every return below is the answer
@@ -257,12 +274,35 @@ class _Exchange:
         router.in_flight += 1
         self.counted = True
         try:
-            self.flight = await router.acquire(ctx)
+            got = router.acquire_now(ctx)
         except Refused as e:
-            router.metrics.requests.labels(ctx.cls.name, "rejected").inc()
-            m.requests.labels("shed" if e.status == 429 else "unavailable").inc()
-            self.close()
-            return [_immediate(e.status, str(e), e.reason, e.retry_after_s)]
+            return self._refused(ctx, e)
+        if isinstance(got, InFlight):
+            return self._picked(ctx, got, t0, phase, body, body_eos)
+        self.held = got
+        return self._held(ctx, got, t0, phase, body, body_eos)
+
+    async def _held(self, ctx: RequestCtx, held: Held, t0: float, phase: str, body: bytes,
+                    body_eos: bool) -> list[pb.ProcessingResponse]:
+        """Admission held the request in its class queue: the pick (or the refusal) when it leaves."""
+        try:
+            flight = await self.router.wait_held(held)
+        except Refused as e:
+            self.held = None
+            return self._refused(ctx, e)
+        self.held = None
+        return self._picked(ctx, flight, t0, phase, body, body_eos)
+
+    def _refused(self, ctx: RequestCtx, e: Refused) -> list[pb.ProcessingResponse]:
+        self.router.metrics.requests.labels(ctx.cls.name, "rejected").inc()
+        self.metrics.requests.labels("shed" if e.status == 429 else "unavailable").inc()
+        self.close()
+        return [_immediate(e.status, str(e), e.reason, e.retry_after_s)]
+
+    def _picked(self, ctx: RequestCtx, flight: InFlight, t0: float, phase: str, body: bytes,
+                body_eos: bool) -> list[pb.ProcessingResponse]:
+        router, m = self.router, self.metrics
+        self.flight = flight
         self.ctx = ctx
         if not (self.streaming and self.response_bodies):
             # no first token to observe (a non-streaming answer comes whole; or the gateway sends no response
@@ -323,6 +363,14 @@ class _Exchange:
         if self.done:
             return
         self.done = True
+        held, self.held = self.held, None
+        if held is not None:  # closed while held, or before the wait for it even started
+            fut = held.future
+            if not fut.done():
+                fut.cancel()
+                self.router.queues.drop_done()
+            elif not fut.cancelled() and fut.exception() is None:  # picked, but the pick never reached us
+                self.router.finish(held.ctx, fut.result(), 0, None)
         if self.prefill_timer is not None:
             self.prefill_timer.cancel()
         if self.flight is not None:

@@ -10,16 +10,20 @@ event loop's own sockets instead of gRPC's C-core and its poller (benchmarks: do
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
+from collections import deque
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2
 
 from tokenmill.router.epp import (BODY_ACK, EXT_PROC_SERVICE, HEADERS_ACK, RESPONSE_BODY_ACK, RESPONSE_HEADERS_ACK,
                                   EppMetrics, _destination, _Exchange)
-from tokenmill.router.grpc_h2 import Call, GrpcH2Server, Method, _Refuse
+from tokenmill.router.grpc_h2 import UNKNOWN, Call, CallClosed, GrpcH2Server, Method, Sink, _Refuse
 from tokenmill.router.router import Router
+
+log = logging.getLogger("tokenmill.router.epp_h2")
 
 PROCESS = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
@@ -84,7 +88,7 @@ class H2EppServer:
         self.wire = _Wire()
         self.status: dict[str, int] = {}
         self.watchers: set[asyncio.Event] = set()
-        self.server = GrpcH2Server({PROCESS: Method("stream", self.process), HEALTH_CHECK: Method("unary", self.check),
+        self.server = GrpcH2Server({PROCESS: Method("sink", self.process), HEALTH_CHECK: Method("unary", self.check),
                                     HEALTH_WATCH: Method("stream", self.watch)})
 
     async def start(self, ready: bool) -> None:
@@ -105,25 +109,8 @@ class H2EppServer:
         await self.server.stop(grace_s)
 
     # -- ext_proc
-    async def process(self, call: Call) -> None:
-        ex = _Exchange(self.router, self.metrics)
-        arrived, timed = None, False
-        wire = self.wire
-        try:
-            while (data := await call.read()) is not None:
-                if arrived is None:
-                    arrived = time.perf_counter()
-                try:
-                    req = pb.ProcessingRequest.FromString(data)
-                except Exception:  # protobuf's DecodeError
-                    raise _Refuse(13, "a ProcessingRequest that does not parse") from None
-                for resp in await ex.handle(req):
-                    await call.write(wire(resp))  # handed to h2; on the socket at the end of this loop turn
-                if ex.answered and not timed:
-                    timed = True
-                    self.metrics.e2e.observe(time.perf_counter() - arrived)
-        finally:
-            ex.close()
+    def process(self, call: Call) -> "_EppCall":
+        return _EppCall(self, call)
 
     # -- grpc.health.v1
     def _parse(self, data: bytes | None) -> str:
@@ -156,3 +143,95 @@ class H2EppServer:
                 await changed.wait()
         finally:
             self.watchers.discard(changed)
+
+
+class _EppCall(Sink):
+    """One ext_proc stream, answered from the connection's data_received callback: each message is parsed and
+    stepped through the exchange (epp._Exchange.step: the same decisions as the grpc.aio picker) and its
+    answers go to h2 at once, with no task, no future and no loop turn in between. A task is started only
+    when the exchange must wait — admission holds the request, or the client's flow-control window does
+    not take an answer — and the messages that arrive meanwhile are stepped by it, in order."""
+
+    __slots__ = ("server", "call", "ex", "arrived", "timed", "task", "backlog", "ending")
+
+    def __init__(self, server: H2EppServer, call: Call):
+        self.server, self.call = server, call
+        self.ex = _Exchange(server.router, server.metrics)
+        self.arrived: float | None = None  # the stream's first message handed over (the e2e clock starts)
+        self.timed = False
+        self.task: asyncio.Task | None = None
+        self.backlog: deque[bytes] = deque()
+        self.ending = False
+
+    @staticmethod
+    def _parse(data: bytes) -> pb.ProcessingRequest:
+        try:
+            return pb.ProcessingRequest.FromString(data)
+        except Exception:  # protobuf's DecodeError
+            raise _Refuse(13, "a ProcessingRequest that does not parse") from None
+
+    def message(self, data: bytes) -> None:
+        if self.arrived is None:
+            self.arrived = time.perf_counter()
+        if self.task is not None:
+            self.backlog.append(data)
+            return
+        out = self.ex.step(self._parse(data))
+        if not isinstance(out, list):
+            self.task = asyncio.get_running_loop().create_task(self._slow(out, ()))
+            return
+        wire, call = self.server.wire, self.call
+        for i, resp in enumerate(out):
+            if not call.send_now(wire(resp)):
+                self.task = asyncio.get_running_loop().create_task(self._slow(None, [wire(r) for r in out[i:]]))
+                return
+        self._answered()
+
+    def _answered(self) -> None:
+        if self.ex.answered and not self.timed:
+            self.timed = True
+            self.server.metrics.e2e.observe(time.perf_counter() - self.arrived)
+
+    async def _slow(self, pending, payloads) -> None:
+        call, wire = self.call, self.server.wire
+        try:
+            if pending is not None:
+                payloads = [wire(r) for r in await pending]
+                pending = None
+            for p in payloads:
+                await call.write(p)
+            self._answered()
+            while self.backlog:
+                out = self.ex.step(self._parse(self.backlog.popleft()))
+                for r in out if isinstance(out, list) else await out:
+                    await call.write(wire(r))
+                self._answered()
+        except CallClosed:
+            return
+        except asyncio.CancelledError:
+            if pending is not None:  # cancelled before the held pick was awaited: it will never be
+                pending.close()
+            raise
+        except _Refuse as e:
+            call.finish(e.status, str(e))
+            return
+        except Exception as e:  # a handler bug: the call ends with UNKNOWN, the server goes on
+            log.exception("ext_proc stream failed")
+            call.finish(UNKNOWN, f"{type(e).__name__}: {e}")
+            return
+        self.task = None
+        if self.ending:
+            self.end()
+
+    def end(self) -> None:
+        if self.task is not None:  # answers still to send: the call ends after them
+            self.ending = True
+            return
+        self.ex.close()
+        self.call.finish()
+
+    def closed(self) -> None:
+        task, self.task = self.task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        self.ex.close()  # (a pick still held is taken out of its queue here, even if the task never ran)

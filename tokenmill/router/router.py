@@ -256,6 +256,13 @@ class Router:
 
     async def acquire(self, ctx: RequestCtx) -> InFlight:
         """A worker for `ctx` (an attempt started there), after holding it if admission says so."""
+        got = self.acquire_now(ctx)
+        return got if isinstance(got, InFlight) else await self.wait_held(got)
+
+    def acquire_now(self, ctx: RequestCtx) -> InFlight | Held:
+        """`acquire` without waiting: the attempt started (admitted), Refused raised, or — admission holds it —
+        the Held entry already in its class queue, for `wait_held` (callers that answer from a callback
+        await only when they must: the EPP)."""
         adm, snap, chunks = self.decide(ctx)
         if adm.action == "reject":
             raise self._refuse(ctx, adm.reason, adm.retry_after_s)
@@ -268,14 +275,18 @@ class Router:
         self.queues[ctx.cls.name].append(held)
         self._held.set()
         self.pump()
+        return held
+
+    async def wait_held(self, held: Held) -> InFlight:
+        """The end of a hold started by `acquire_now`: the attempt, or Refused (cancelled: it leaves the queue)."""
         try:
-            return await fut
+            return await held.future
         except asyncio.CancelledError:  # client left while held
-            fut.cancel()
+            held.future.cancel()
             self.queues.drop_done()
             raise
         finally:
-            self.metrics.queue_wait.labels(ctx.cls.name).observe(self.clock() - held.held_s)
+            self.metrics.queue_wait.labels(held.ctx.cls.name).observe(self.clock() - held.held_s)
 
     PUMP_SCAN = 8  # held requests re-decided per class per pump: each decision costs a snapshot
 

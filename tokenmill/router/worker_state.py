@@ -118,6 +118,7 @@ class WorkerState:
         self.prefill_tokens = 0
         self.prefill_prompt_tokens = 0  # whole prompts (cached part included) of the pending attempts
         self._pending: dict[int, InFlight] = {}  # attempts whose prefill is pending, by id()
+        self._min_deadline: float | None = None  # least ttft_deadline_s in _pending (None: to be recomputed)
         self.decode_streams = 0
         self.decode_tokens = 0
         self.reported_running: int | None = None
@@ -146,6 +147,8 @@ class WorkerState:
                      ttft_deadline_s=ttft_deadline_s, calibration_at_send=self.ttft_calibration,
                      rate_samples_at_send=self.rates.prefill.samples,
                      decode_left=max_tokens, prompt_tokens=prompt_tokens)
+        if self._min_deadline is not None or not self._pending:
+            self._min_deadline = ttft_deadline_s if not self._pending else min(self._min_deadline, ttft_deadline_s)
         self._pending[id(f)] = f
         return f
 
@@ -156,7 +159,9 @@ class WorkerState:
             busy = bool(self._pending)
             self.prefill_tokens -= f.uncached_tokens
             self.prefill_prompt_tokens -= f.prompt_tokens
-            self._pending.pop(id(f), None)
+            if self._pending.pop(id(f), None) is not None and self._min_deadline is not None \
+                    and f.ttft_deadline_s <= self._min_deadline:
+                self._min_deadline = None  # the least one left: recomputed when a view needs it
             self.rates.prefill.done(f.uncached_tokens if served else 0, now, busy=busy,
                                     requests=1 if served else 0, pending_requests=len(self._pending),
                                     pending_tokens=max(0, self.prefill_tokens))
@@ -226,7 +231,11 @@ class WorkerState:
         r = self.rates
         prefill, tpot = r.prefill, r.tpot  # (the fields WorkerRates' properties read: a view per worker per decision)
         pending = self._pending
-        deadline = min([f.ttft_deadline_s for f in pending.values()]) if pending else None
+        deadline = None
+        if pending:  # (kept up to date by start / end_prefill: one scan per change of the least, not per view)
+            if self._min_deadline is None:
+                self._min_deadline = min([f.ttft_deadline_s for f in pending.values()])
+            deadline = self._min_deadline
         slack = None if deadline is None or now is None or deadline == math.inf else deadline - now
         return WorkerView(
             url=self.url, healthy=self.healthy, outstanding=self.outstanding,
