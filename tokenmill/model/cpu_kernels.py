@@ -37,6 +37,8 @@ def _isa_flags() -> tuple[str, list[str]]:
     return suffix, flags
 
 
+# the extension's C++ sources (one module; paged_decode.cpp holds the module definition, which registers the rest)
+SOURCES = ["paged_decode.cpp", "lm_head.cpp"]
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # storage types; the math is fp32 in both
 
 
@@ -66,12 +68,12 @@ def get_kernels():
         log.info("loading the CPU attention kernel (compiled once per machine, ~1 minute the first time)")
 
         suffix, isa = _isa_flags()
-        src = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+        srcs = [Path(__file__).parent / "csrc" / f for f in SOURCES]
         # one build per (source text, source path, ISA): two checkouts or versions on one machine must not
         # share a build directory, or each would rebuild the other's module on every start (~30 s each)
-        digest = hashlib.sha256(src.read_bytes() + str(src.resolve()).encode()).hexdigest()[:12]
+        digest = hashlib.sha256(b"".join(s.read_bytes() + str(s.resolve()).encode() for s in srcs)).hexdigest()[:12]
         name = f"tokenmill_cpu_kernels_{digest}{suffix}"
-        _state["mod"] = load(name=name, sources=[str(src)], extra_cflags=["-O3", "-fopenmp", *isa],
+        _state["mod"] = load(name=name, sources=[str(s) for s in srcs], extra_cflags=["-O3", "-fopenmp", *isa],
                              extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build problem means: use the PyTorch path
         log.warning("CPU kernels unavailable (%s: %s); using the PyTorch attention path", type(e).__name__, e)

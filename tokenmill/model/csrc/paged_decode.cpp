@@ -1418,6 +1418,8 @@ void argmax_rows(torch::Tensor out, torch::Tensor x) {
   TM_DISPATCH(x, "argmax_rows", [&] { argmax_rows_impl<scalar_t>(out, x); });
 }
 
+void register_lm_head(pybind11::module& m);  // csrc/lm_head.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32/bf16 q, any KV dtype)",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
@@ -1439,4 +1441,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum (CPU, fp32/bf16)");
   m.def("has_vnni_small", &has_vnni_small, "whether linear_small_vnni is compiled in");
   m.def("linear_small_int8", &linear_small_int8, "y = x W8^T * sw (+ b) for at most 8 rows (CPU)");
+  register_lm_head(m);
 }

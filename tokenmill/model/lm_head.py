@@ -1,0 +1,55 @@
+"""The bf16 lm_head on CPUs with AVX-512 BF16: the vocabulary-wide weight prepacked once for vdpbf16ps
+(csrc/lm_head.cpp), logits for any number of rows, and the greedy token of each row without writing the logits.
+
+`PackedHead.build(weight)` returns None where it does not apply (not a bf16 CPU weight, no compiled kernel, an odd
+hidden size, TOKENMILL_LM_HEAD=0); then `LlamaModel.compute_logits` keeps the module path (oneDNN / linear_small),
+which stays the reference. Each row's logits are the same bits whatever the number of rows in the call, and
+`greedy(h)` is exactly `logits(h).argmax(-1)` (torch.argmax's first-maximum and NaN rules): the kernel compares
+the same bf16-rounded values it would store (tests/model/test_lm_head.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def enabled_by_env() -> bool:
+    v = os.environ.get("TOKENMILL_LM_HEAD", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"TOKENMILL_LM_HEAD must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+class PackedHead:
+    """logits = h W^T for a bf16 head W [V, K] without bias (a tied embedding or an untied lm_head)."""
+
+    def __init__(self, kernels, packed: torch.Tensor, vocab: int, hidden: int):
+        self.kernels, self.packed, self.vocab, self.hidden = kernels, packed, vocab, hidden
+
+    @classmethod
+    def build(cls, weight: torch.Tensor) -> "PackedHead | None":
+        from tokenmill.model.cpu_kernels import kernels_for
+
+        if not enabled_by_env() or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
+            return None
+        k = kernels_for(weight)
+        if k is None or not hasattr(k, "has_lm_head_bf16") or not k.has_lm_head_bf16():
+            return None
+        return cls(k, k.lm_head_pack_bf16(weight.detach()), weight.shape[0], weight.shape[1])
+
+    def applies(self, h: torch.Tensor) -> bool:
+        return h.dtype == torch.bfloat16 and h.device.type == "cpu" and h.dim() == 2 and h.shape[1] == self.hidden
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [M, K] bf16 -> [M, V] bf16."""
+        out = torch.empty(h.shape[0], self.vocab, dtype=torch.bfloat16)
+        self.kernels.lm_head_bf16(out, h.contiguous(), self.packed, self.vocab)
+        return out
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """h [M, K] bf16 -> [M] int64: the argmax of `logits(h)` per row, without the logits."""
+        out = torch.empty(h.shape[0], dtype=torch.long)
+        self.kernels.lm_head_argmax_bf16(out, h.contiguous(), self.packed, self.vocab)
+        return out
