@@ -7,7 +7,8 @@ logits (`lm_head_bf16`, csrc/lm_head.cpp), and the same kernel fused with the gr
 
 Median of --reps calls after warm-up, per row count; GFLOP/s = 2 M K V / time. The weights are random bf16 (the
 time does not depend on their values); every row checks that the fused token equals the argmax of the kernel's
-own logits.
+own logits. A second table does the same for the int8 W8A8 head (`--quantization int8`): the Int8LinearMethod
+path against the packed VNNI head (`lm_head_int8`, `lm_head_argmax_int8`).
 """
 
 from __future__ import annotations
@@ -76,6 +77,34 @@ def main():
         small = f"{t_small:.2f}" if m <= 8 else "-"
         print(f"| {m} | {t_dnn:.2f} | {small} | {t_head:.2f} | {t_arg:.2f} | {t_fused:.2f} | {gf:.0f} | "
               f"{(t_dnn + t_arg) / t_fused:.2f}x | {same} |")
+
+    if not k.has_lm_head_int8():
+        print("\n(no int8 head kernel: this build lacks AVX-512 VNNI)")
+        return
+    from tokenmill.model.linear import Int8LinearMethod, Linear
+    from tokenmill.model.lm_head import Int8PackedHead
+
+    lin = Linear(h, v, dtype=torch.bfloat16, method=Int8LinearMethod())
+    lin.weight.data.copy_(w)
+    lin.method.process_weights_after_loading(lin)
+    head8 = Int8PackedHead.build(lin)
+    print(f"\nint8 W8A8 head (bf16 activations): the Int8LinearMethod path (linear_small_vnni for <= 8 rows, "
+          f"quantize_rows + torch._int_mm + dequant_rows above) + argmax_rows, against the packed VNNI head\n")
+    print("| rows | Int8Linear ms | + argmax_rows ms | packed int8 logits ms | fused argmax ms | fused TOPS | "
+          "Int8Linear + argmax / fused | same logits, same tokens |")
+    print("|---|---|---|---|---|---|---|---|")
+    for m in args.rows:
+        x = torch.randn(m, h).bfloat16()
+        out = lin(x)
+        tok = torch.empty(m, dtype=torch.long)
+        t_lin = _median_ms(lambda: lin(x), args.reps)
+        t_arg = _median_ms(lambda: k.argmax_rows(tok, out), args.reps)
+        t_head = _median_ms(lambda: head8.logits(x), args.reps)
+        t_fused = _median_ms(lambda: head8.greedy(x), args.reps)
+        same = bool(torch.equal(head8.logits(x), out)) and bool((head8.greedy(x) == out.argmax(dim=-1)).all())
+        tops = 2 * m * h * v / (t_fused * 1e-3) / 1e12
+        print(f"| {m} | {t_lin:.2f} | {t_arg:.2f} | {t_head:.2f} | {t_fused:.2f} | {tops:.2f} | "
+              f"{(t_lin + t_arg) / t_fused:.2f}x | {same} |")
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ class _CountingHead:
 
 def _engine_compare(llm: LLM):
     model = llm.engine.runner.model
-    assert model.packed_head is not None, "the packed head was not built for this bf16 model"
+    assert model.packed_head is not None, "the packed head was not built for this model"
     counting = _CountingHead(model.packed_head)
     model.packed_head = counting
     try:
@@ -154,8 +154,49 @@ def test_engine_fused_greedy_on_other_architectures(model_dir, preset):
     _engine_compare(LLM(str(model_dir(preset)), dtype="bfloat16", kv_cache_bytes="8MiB"))
 
 
-def test_int8_and_fp32_models_keep_their_heads(tiny_dir):
+def test_fp32_models_keep_their_heads(tiny_dir):
     assert LLM(str(tiny_dir), dtype="float32", kv_cache_bytes="8MiB").engine.runner.model.packed_head is None
+
+
+_I8 = pytest.mark.skipif(_K is None or not _K.has_lm_head_int8(), reason="the int8 head kernel needs AVX-512 VNNI")
+
+
+@_I8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 7, 57, 70])
+def test_int8_head_equals_the_int8_linear(dtype, m):
+    """The packed int8 head against the Int8LinearMethod path it replaces (linear_small_vnni for <= 8 rows,
+    quantize_rows + torch._int_mm + dequant_rows above): the same quantization, exact int32 sums and the same
+    fp32 epilogue, so the same bits; its fused argmax against torch.argmax of its logits."""
+    from tokenmill.model.linear import Int8LinearMethod, Linear
+    from tokenmill.model.lm_head import Int8PackedHead
+
+    v, h = 4096 - 21, 256
+    lin = Linear(h, v, dtype=dtype, method=Int8LinearMethod())
+    lin.weight.data.copy_(torch.randn(v, h, generator=torch.Generator().manual_seed(5)) * 0.05)
+    lin.method.process_weights_after_loading(lin)
+    head = Int8PackedHead.build(lin)
+    assert head is not None
+    x = _x(m, h, seed=6).to(dtype)
+    got = head.logits(x)
+    assert got.dtype == dtype
+    assert torch.equal(got, lin(x))
+    assert torch.equal(head.logits(x[-1:]), got[-1:])
+    assert torch.equal(head.greedy(x), got.argmax(dim=-1))
+
+
+@_I8
+@pytest.mark.parametrize("dtype,kv", [("bfloat16", "auto"), ("bfloat16", "int8"), ("float32", "auto")])
+def test_engine_fused_greedy_int8(tiny_dir, dtype, kv):
+    from tokenmill.model.lm_head import Int8PackedHead
+
+    llm = LLM(str(tiny_dir), dtype=dtype, quantization="int8", kv_cache_dtype=kv, kv_cache_bytes="8MiB")
+    assert isinstance(llm.engine.runner.model.packed_head, Int8PackedHead)
+    _engine_compare(llm)
+
+
+def test_int8_head_without_the_kernel_stays_the_linear(tiny_dir, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_LM_HEAD", "0")
     q = LLM(str(tiny_dir), dtype="bfloat16", quantization="int8", kv_cache_bytes="8MiB").engine.runner.model
     head = q.lm_head if q.lm_head is not None else q.tied_head
-    assert q.packed_head is None and hasattr(head, "w8")  # the int8 head stays int8
+    assert q.packed_head is None and hasattr(head, "w8")  # the int8 Linear computes the logits

@@ -53,3 +53,48 @@ class PackedHead:
         out = torch.empty(h.shape[0], dtype=torch.long)
         self.kernels.lm_head_argmax_bf16(out, h.contiguous(), self.packed, self.vocab)
         return out
+
+
+class Int8PackedHead:
+    """The int8 W8A8 head (`--quantization int8`) on CPUs with AVX-512 VNNI: the head Linear's int8 weights
+    prepacked for vpdpbusd; logits in the hidden states' dtype (rows quantized per token as everywhere in W8A8,
+    exact int32 sums, one fp32 epilogue shared by `logits` and `greedy`), batch-invariant like PackedHead."""
+
+    def __init__(self, kernels, packed: torch.Tensor, wsum: torch.Tensor, sw: torch.Tensor, vocab: int, hidden: int):
+        self.kernels, self.packed, self.wsum, self.sw = kernels, packed, wsum, sw
+        self.vocab, self.hidden = vocab, hidden
+
+    @classmethod
+    def build(cls, head) -> "Int8PackedHead | None":
+        """`head`: an Int8LinearMethod Linear (w8 [V, K], w8_sum, w_scale), without bias, with native int8."""
+        from tokenmill.model.cpu_kernels import kernels_for
+
+        if not enabled_by_env() or not hasattr(head, "w8") or head.bias is not None or not head.int8_gemm:
+            return None
+        w8 = head.w8
+        if w8.dim() != 2 or w8.shape[1] % 4 or w8.device.type != "cpu":
+            return None
+        k = kernels_for(head.w_scale)
+        if k is None or not hasattr(k, "has_lm_head_int8") or not k.has_lm_head_int8():
+            return None
+        v, h = w8.shape
+        pad = -(-v // 64) * 64
+        wsum = torch.zeros(pad, dtype=torch.int32)
+        wsum[:v] = head.w8_sum
+        sw = torch.zeros(pad, dtype=torch.float32)
+        sw[:v] = head.w_scale
+        return cls(k, k.lm_head_pack_int8(w8), wsum, sw, v, h)
+
+    def applies(self, h: torch.Tensor) -> bool:
+        return (h.dtype in (torch.bfloat16, torch.float32) and h.device.type == "cpu" and h.dim() == 2
+                and h.shape[1] == self.hidden)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(h.shape[0], self.vocab, dtype=h.dtype)
+        self.kernels.lm_head_int8(out, h.contiguous(), self.packed, self.wsum, self.sw, self.vocab)
+        return out
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(h.shape[0], dtype=torch.long)
+        self.kernels.lm_head_argmax_int8(out, h.contiguous(), self.packed, self.wsum, self.sw, self.vocab)
+        return out
