@@ -128,16 +128,16 @@ class _CountingHead:
         return self.inner.greedy(h)
 
 
-def _engine_compare(llm: LLM):
+def _engine_compare(llm: LLM, prompts=MANY):
     model = llm.engine.runner.model
     assert model.packed_head is not None, "the packed head was not built for this model"
     counting = _CountingHead(model.packed_head)
     model.packed_head = counting
     try:
-        fused = llm.generate(MANY, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        fused = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
         assert counting.greedy_calls > 0 and counting.logit_calls == 0
         llm.engine.kv.pool.reset_prefix_cache()
-        with_logits = llm.generate(MANY, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0))
+        with_logits = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0))
         assert counting.logit_calls > 0
     finally:
         model.packed_head = counting.inner
@@ -178,6 +178,7 @@ def test_int8_head_equals_the_int8_linear(dtype, m):
     head = Int8PackedHead.build(lin)
     assert head is not None
     x = _x(m, h, seed=6).to(dtype)
+    assert head.applies(x) == (m <= Int8PackedHead.MAX_ROWS)  # larger steps keep torch._int_mm (faster there)
     got = head.logits(x)
     assert got.dtype == dtype
     assert torch.equal(got, lin(x))
@@ -192,7 +193,7 @@ def test_engine_fused_greedy_int8(tiny_dir, dtype, kv):
 
     llm = LLM(str(tiny_dir), dtype=dtype, quantization="int8", kv_cache_dtype=kv, kv_cache_bytes="8MiB")
     assert isinstance(llm.engine.runner.model.packed_head, Int8PackedHead)
-    _engine_compare(llm)
+    _engine_compare(llm, PROMPTS)  # 4 sequences: steps within Int8PackedHead.MAX_ROWS
 
 
 def test_int8_head_without_the_kernel_stays_the_linear(tiny_dir, monkeypatch):
