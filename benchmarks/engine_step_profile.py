@@ -120,6 +120,8 @@ def main() -> int:
     model = eng.runner.model
     model.forward = timed("model forward", model.forward)
     model.compute_logits = timed("lm_head (compute_logits)", head_scope(model.compute_logits))
+    # an all-greedy step's head fused with the argmax (lm_head.py) counts in the same column
+    model.greedy_tokens = timed("lm_head (compute_logits)", head_scope(model.greedy_tokens))
     eng.sampler.sample = timed("sampler", eng.sampler.sample)
 
     lo_in, hi_in = map(int, args.input_len.split(":"))

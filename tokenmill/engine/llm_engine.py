@@ -14,7 +14,7 @@ from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import EngineStats, RequestOutput
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.runner import ModelOutput, ModelRunner
-from tokenmill.engine.sampler import Sampler
+from tokenmill.engine.sampler import SampleResult, Sampler
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.engine.step_budget import step_composition
@@ -217,7 +217,12 @@ class LLMEngine:
             speculating = spec is not None and any(s.num_spec_slots for s in sched.seqs)
             # the sampler takes logits in the head's dtype; the verifier wants fp32 (a step where no sequence
             # speculates, e.g. auto chose k = 0 for all, is sampled exactly as with speculation off)
-            model_out = self.runner.execute(sched, float_logits=speculating)
+            # all-greedy steps without logprobs: the runner may return the tokens (lm_head fused with the argmax)
+            greedy = not speculating and all(
+                self.scheduler.requests[s.request_id].params.greedy
+                and self.scheduler.requests[s.request_id].params.logprobs is None
+                for s in sched.seqs if s.num_logits > 0)
+            model_out = self.runner.execute(sched, float_logits=speculating, greedy=greedy)
             exec_s = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - fail the batch, not the engine
             log.exception("model execution failed")
@@ -312,10 +317,15 @@ class LLMEngine:
             return []
         reqs = [self.scheduler.requests[s.request_id] for _, s in seqs]
         rows = [out.logit_offsets[i] + s.num_logits - 1 for i, s in seqs]
-        logits = out.logits
-        if rows != list(range(logits.shape[0])):  # a pure decode step samples every row in order: no copy
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        result = self.sampler.sample(logits, [r.params for r in reqs], [self._gens.get(r.request_id) for r in reqs])
+        if out.tokens is not None:  # the runner took the argmax already (an all-greedy step, no logprobs)
+            all_tokens = out.tokens.tolist()
+            result = SampleResult([all_tokens[r] for r in rows], [None] * len(rows))
+        else:
+            logits = out.logits
+            if rows != list(range(logits.shape[0])):  # a pure decode step samples every row in order: no copy
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            result = self.sampler.sample(logits, [r.params for r in reqs],
+                                         [self._gens.get(r.request_id) for r in reqs])
         outputs = []
         for req, tok, lp in zip(reqs, result.token_ids, result.logprobs):
             req.append_output(tok)

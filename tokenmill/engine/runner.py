@@ -63,6 +63,9 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
 class ModelOutput:
     logits: torch.Tensor  # [sum(num_logits), vocab] fp32 (the model's dtype with execute(float_logits=False))
     logit_offsets: list[int]  # seq i's logits are rows logit_offsets[i] : logit_offsets[i] + seqs[i].num_logits
+    # execute(greedy=True) where the model's packed head applies: each logit row's argmax (int64, same row order),
+    # and `logits` is empty (never written)
+    tokens: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -165,9 +168,11 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype)
         return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
 
-    def execute(self, sched: SchedulerOutput, float_logits: bool = True) -> ModelOutput:
+    def execute(self, sched: SchedulerOutput, float_logits: bool = True, greedy: bool = False) -> ModelOutput:
         """Run the step; `float_logits=False` leaves the logits in the model's dtype (the engine's sampler converts
-        what it needs: greedy sampling reads bf16 logits as they are)."""
+        what it needs: greedy sampling reads bf16 logits as they are). `greedy=True` (every row will be sampled
+        greedily, without logprobs): where the model's packed head applies, return each row's argmax in `tokens`
+        instead of logits (the same tokens; no [rows, vocab] logits written)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -223,6 +228,10 @@ class ModelRunner:
         # decode step): no gather copy
         if len(logits_idx) != hidden.shape[0]:
             hidden = hidden[self._tensor(logits_idx)]
+        if greedy:
+            tokens = self.model.greedy_tokens(hidden)  # the packed head is batch-invariant: no small_row_bits
+            if tokens is not None:
+                return ModelOutput(hidden.new_empty(0, self.cfg.vocab_size), offsets, tokens)
         with small_row_bits(base_logits <= small < len(logits_idx)):
             logits = self.model.compute_logits(hidden, float32=float_logits)
         return ModelOutput(logits, offsets)

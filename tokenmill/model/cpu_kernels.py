@@ -37,6 +37,8 @@ def _isa_flags() -> tuple[str, list[str]]:
     return suffix, flags
 
 
+# the extension's C++ sources (one module; paged_decode.cpp holds the module definition, which registers the rest)
+SOURCES = ["paged_decode.cpp", "prefill_attention.cpp", "lm_head.cpp"]
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # storage types; the math is fp32 in both
 
 
@@ -66,8 +68,7 @@ def get_kernels():
         log.info("loading the CPU attention kernel (compiled once per machine, ~1 minute the first time)")
 
         suffix, isa = _isa_flags()
-        csrc = Path(__file__).parent / "csrc"
-        srcs = [csrc / "paged_decode.cpp", csrc / "prefill_attention.cpp"]
+        srcs = [Path(__file__).parent / "csrc" / f for f in SOURCES]
         # one build per (source text, source path, ISA): two checkouts or versions on one machine must not
         # share a build directory, or each would rebuild the other's module on every start (~30 s each)
         digest = hashlib.sha256(b"".join(s.read_bytes() + str(s.resolve()).encode() for s in srcs)).hexdigest()[:12]

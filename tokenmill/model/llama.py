@@ -14,6 +14,7 @@ from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu_kernels import kernels_for
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding
+from tokenmill.model.lm_head import Int8PackedHead, PackedHead
 from tokenmill.model.linear import LINEAR_METHODS, Int8LinearMethod, Linear, LinearMethod, PackedWeight
 
 
@@ -95,6 +96,7 @@ class LlamaModel(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
                                   method=Int8LinearMethod() if self.int8_head else None)
         self.tied_head: "PackedWeight | Linear | None" = None
+        self.packed_head: PackedHead | Int8PackedHead | None = None  # the head kernel (lm_head.py), after loading
         self.fused = None  # the one-call decoder stack for decode steps (fused_decode.py), set after loading
 
     def process_weights_after_loading(self) -> None:
@@ -110,7 +112,13 @@ class LlamaModel(nn.Module):
             head.method.process_weights_after_loading(head)
             self.tied_head = head
         elif self.lm_head is None:
-            self.tied_head = PackedWeight.maybe(self.embed_tokens.weight)
+            self.packed_head = PackedHead.build(self.embed_tokens.weight)
+            if self.packed_head is None:  # the packed head replaces oneDNN's copy of the tied embedding
+                self.tied_head = PackedWeight.maybe(self.embed_tokens.weight)
+        if not self.int8_head and self.lm_head is not None and self.lm_head.bias is None:
+            self.packed_head = PackedHead.build(self.lm_head.weight)
+        if self.int8_head:  # the int8 head's own kernel (VNNI), same interface
+            self.packed_head = Int8PackedHead.build(self.lm_head if self.lm_head is not None else self.tied_head)
         self.decode_read_bytes = self._decode_read_bytes()
         from tokenmill.model.fused_decode import FusedDecodeStack
 
@@ -148,8 +156,18 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab], fp32 (or, `float32=False`, in the head's output dtype)."""
-        if self.lm_head is None:
+        if self.packed_head is not None and self.packed_head.applies(hidden):
+            logits = self.packed_head.logits(hidden)
+        elif self.lm_head is None:
             logits = self.tied_head(hidden) if self.tied_head is not None else F.linear(hidden, self.embed_tokens.weight)
         else:
             logits = self.lm_head(hidden)
         return logits.float() if float32 else logits
+
+    @torch.inference_mode()
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [N, hidden] -> [N] int64, each row's argmax of `compute_logits(hidden)` (exactly), computed by
+        the packed head without writing the logits; None where the packed head does not apply."""
+        if self.packed_head is None or not self.packed_head.applies(hidden):
+            return None
+        return self.packed_head.greedy(hidden)

@@ -1,0 +1,104 @@
+"""The bf16 lm_head on CPUs with AVX-512 BF16: the vocabulary-wide weight prepacked once for vdpbf16ps
+(csrc/lm_head.cpp), logits for any number of rows, and the greedy token of each row without writing the logits.
+
+`PackedHead.build(weight)` returns None where it does not apply (not a bf16 CPU weight, no compiled kernel, an odd
+hidden size, TOKENMILL_LM_HEAD=0); then `LlamaModel.compute_logits` keeps the module path (oneDNN / linear_small),
+which stays the reference. Each row's logits are the same bits whatever the number of rows in the call, and
+`greedy(h)` is exactly `logits(h).argmax(-1)` (torch.argmax's first-maximum and NaN rules): the kernel compares
+the same bf16-rounded values it would store (tests/model/test_lm_head.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def enabled_by_env() -> bool:
+    v = os.environ.get("TOKENMILL_LM_HEAD", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"TOKENMILL_LM_HEAD must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
+class PackedHead:
+    """logits = h W^T for a bf16 head W [V, K] without bias (a tied embedding or an untied lm_head)."""
+
+    def __init__(self, kernels, packed: torch.Tensor, vocab: int, hidden: int):
+        self.kernels, self.packed, self.vocab, self.hidden = kernels, packed, vocab, hidden
+
+    @classmethod
+    def build(cls, weight: torch.Tensor) -> "PackedHead | None":
+        from tokenmill.model.cpu_kernels import kernels_for
+
+        if not enabled_by_env() or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
+            return None
+        k = kernels_for(weight)
+        if k is None or not hasattr(k, "has_lm_head_bf16") or not k.has_lm_head_bf16():
+            return None
+        return cls(k, k.lm_head_pack_bf16(weight.detach()), weight.shape[0], weight.shape[1])
+
+    def applies(self, h: torch.Tensor) -> bool:
+        return h.dtype == torch.bfloat16 and h.device.type == "cpu" and h.dim() == 2 and h.shape[1] == self.hidden
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [M, K] bf16 -> [M, V] bf16."""
+        out = torch.empty(h.shape[0], self.vocab, dtype=torch.bfloat16)
+        self.kernels.lm_head_bf16(out, h.contiguous(), self.packed, self.vocab)
+        return out
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """h [M, K] bf16 -> [M] int64: the argmax of `logits(h)` per row, without the logits."""
+        out = torch.empty(h.shape[0], dtype=torch.long)
+        self.kernels.lm_head_argmax_bf16(out, h.contiguous(), self.packed, self.vocab)
+        return out
+
+
+class Int8PackedHead:
+    """The int8 W8A8 head (`--quantization int8`) on CPUs with AVX-512 VNNI: the head Linear's int8 weights
+    prepacked for vpdpbusd; logits in the hidden states' dtype (rows quantized per token as everywhere in W8A8,
+    exact int32 sums, one fp32 epilogue shared by `logits` and `greedy`), batch-invariant like PackedHead."""
+
+    def __init__(self, kernels, packed: torch.Tensor, wsum: torch.Tensor, sw: torch.Tensor, vocab: int, hidden: int):
+        self.kernels, self.packed, self.wsum, self.sw = kernels, packed, wsum, sw
+        self.vocab, self.hidden = vocab, hidden
+
+    @classmethod
+    def build(cls, head) -> "Int8PackedHead | None":
+        """`head`: an Int8LinearMethod Linear (w8 [V, K], w8_sum, w_scale), without bias, with native int8."""
+        from tokenmill.model.cpu_kernels import kernels_for
+
+        if not enabled_by_env() or not hasattr(head, "w8") or head.bias is not None or not head.int8_gemm:
+            return None
+        w8 = head.w8
+        if w8.dim() != 2 or w8.shape[1] % 4 or w8.device.type != "cpu":
+            return None
+        k = kernels_for(head.w_scale)
+        if k is None or not hasattr(k, "has_lm_head_int8") or not k.has_lm_head_int8():
+            return None
+        v, h = w8.shape
+        pad = -(-v // 64) * 64
+        wsum = torch.zeros(pad, dtype=torch.int32)
+        wsum[:v] = head.w8_sum
+        sw = torch.zeros(pad, dtype=torch.float32)
+        sw[:v] = head.w_scale
+        return cls(k, k.lm_head_pack_int8(w8), wsum, sw, v, h)
+
+    # measured (benchmarks/lm_head_kernels.py): 1.3-4x the Int8LinearMethod path + argmax_rows up to 8 rows, but
+    # 0.85-1.0x at 33-64 rows, where torch._int_mm is faster; the logits are the same bits either way
+    MAX_ROWS = 8
+
+    def applies(self, h: torch.Tensor) -> bool:
+        return (h.dtype in (torch.bfloat16, torch.float32) and h.device.type == "cpu" and h.dim() == 2
+                and h.shape[1] == self.hidden and h.shape[0] <= self.MAX_ROWS)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(h.shape[0], self.vocab, dtype=h.dtype)
+        self.kernels.lm_head_int8(out, h.contiguous(), self.packed, self.wsum, self.sw, self.vocab)
+        return out
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(h.shape[0], dtype=torch.long)
+        self.kernels.lm_head_argmax_int8(out, h.contiguous(), self.packed, self.wsum, self.sw, self.vocab)
+        return out
