@@ -39,6 +39,7 @@ def _isa_flags() -> tuple[str, list[str]]:
 
 # the extension's C++ sources (one module; paged_decode.cpp holds the module definition, which registers the rest)
 SOURCES = ["paged_decode.cpp", "prefill_attention.cpp", "lm_head.cpp"]
+HEADERS = ["simd_exp.h"]  # included by the sources: part of the build digest
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # storage types; the math is fp32 in both
 
 
@@ -71,7 +72,8 @@ def get_kernels():
         srcs = [Path(__file__).parent / "csrc" / f for f in SOURCES]
         # one build per (source text, source path, ISA): two checkouts or versions on one machine must not
         # share a build directory, or each would rebuild the other's module on every start (~30 s each)
-        digest = hashlib.sha256(b"".join(s.read_bytes() + str(s.resolve()).encode() for s in srcs)).hexdigest()[:12]
+        hashed = srcs + [Path(__file__).parent / "csrc" / f for f in HEADERS]
+        digest = hashlib.sha256(b"".join(s.read_bytes() + str(s.resolve()).encode() for s in hashed)).hexdigest()[:12]
         name = f"tokenmill_cpu_kernels_{digest}{suffix}"
         _state["mod"] = load(name=name, sources=[str(s) for s in srcs], extra_cflags=["-O3", "-fopenmp", *isa],
                              extra_ldflags=["-fopenmp"], verbose=False)

@@ -63,25 +63,7 @@ inline void row_to_f(const void* p, at::ScalarType t, int64_t hd, float s, float
   }
 }
 
-#ifdef TMP_AVX2
-// exp(x) for 8 floats (Cephes-style, |rel err| < 2e-7); inputs below -88 give ~0
-inline __m256 exp8(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-  __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
-}
-#endif
+#include "simd_exp.h"  // exp256
 
 struct Geometry {
   int64_t nh, kvh, hd, bs;
@@ -431,7 +413,7 @@ bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
           __m256 sum8 = _mm256_setzero_ps();
           const __m256 mn = _mm256_set1_ps(mnew);
           for (int j0 = 0; j0 < KT; j0 += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j0), mn));
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j0), mn));
             const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(j0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
             const __m256i ok = _mm256_and_si256(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(int(jlo) - 1)),
                                                 _mm256_cmpgt_epi32(_mm256_set1_epi32(int(jhi) + 1), idx));
