@@ -12,9 +12,16 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.cpu_kernels import get_kernels
+from tokenmill.hardware import capabilities
 from tokenmill.model.fused_decode import FusedDecodeStack
+from tokenmill.model.linear import onednn_bf16
 
 pytestmark = pytest.mark.skipif(get_kernels() is None, reason="no C++ CPU kernels on this machine")
+# the fused stack runs bf16 models only where their linears are oneDNN-packed (native bf16), and int8 ones only where
+# the CPU has int8 dot products (VNNI); elsewhere (e.g. an AVX2-only CPU, or ONEDNN_MAX_CPU_ISA=AVX2) it is by design
+# not built, and the module path runs
+needs_bf16 = pytest.mark.skipif(not onednn_bf16(), reason="bf16 is emulated on this CPU: no fused bf16 stack")
+needs_int8 = pytest.mark.skipif(not capabilities().native_int8, reason="int8 is emulated on this CPU: no fused int8 stack")
 
 PROMPTS = [[5, 17, 300, 42, 9, 11], [7, 8, 9], list(range(40, 80)), [1000, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 # 13 sequences: decode steps of more than 8 tokens (oneDNN / int8 GEMM inside the stack), contexts 3..70
@@ -64,8 +71,9 @@ def _compare(llm: LLM, prompts, exact: bool):
 
 
 @pytest.mark.parametrize("dtype,quant,kv", [
-    ("float32", "none", "auto"), ("bfloat16", "none", "auto"), ("float32", "int8", "auto"),
-    ("bfloat16", "int8", "int8"), ("float32", "none", "bfloat16")])
+    ("float32", "none", "auto"), pytest.param("bfloat16", "none", "auto", marks=needs_bf16),
+    pytest.param("float32", "int8", "auto", marks=needs_int8),
+    pytest.param("bfloat16", "int8", "int8", marks=[needs_bf16, needs_int8]), ("float32", "none", "bfloat16")])
 def test_fused_decode_equals_the_module_path(tiny_dir, dtype, quant, kv):
     llm = LLM(str(tiny_dir), dtype=dtype, quantization=quant, kv_cache_dtype=kv, kv_cache_bytes="8MiB")
     _compare(llm, PROMPTS[:1], exact=True)  # batch 1
@@ -73,6 +81,7 @@ def test_fused_decode_equals_the_module_path(tiny_dir, dtype, quant, kv):
     _compare(llm, MANY, exact=True)  # 13 per step: the > 8-row linears (oneDNN, int8 GEMM)
 
 
+@needs_bf16
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama3", "tiny-mistral"])
 def test_fused_decode_on_other_architectures(model_dir, preset):
     """qkv bias (qwen2), llama3 rope and tied head, one kv head of 32 dims (mistral)."""
@@ -121,6 +130,7 @@ def test_a_wrong_large_step_linear_is_caught(tiny_dir):
         _compare(llm, MANY, exact=True)
 
 
+@needs_int8
 def test_int8_without_an_int8_gemm_keeps_the_stack_to_small_steps(tiny_dir):
     """Where an int8 linear has no int8 GEMM (no VNNI: the module path computes its big products in fp32) the
     stack takes at most MAX_TOKENS tokens, and larger steps run the modules."""
@@ -147,6 +157,7 @@ def test_fused_decode_off_by_env(monkeypatch, tiny_dir):
         LLM(str(tiny_dir), kv_cache_bytes="8MiB")
 
 
+@needs_bf16
 def test_verify_steps_that_need_small_row_bits_skip_the_fused_stack():
     """A bf16 verify step of 4 sequences x (1 + 4 drafts) = 20 rows stands for a 4-row decode step: its rows must
     get the small-row kernels' bits (linear.small_row_bits), which the fused stack's > 8-row oneDNN path would not
