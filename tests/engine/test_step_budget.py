@@ -34,3 +34,50 @@ def test_bad_samples_are_ignored_and_config_validated():
     with pytest.raises(ValueError, match="min_prefill_tokens"):
         StepBudgetConfig(min_prefill_tokens=0)
     assert StepBudget(StepBudgetConfig(enabled=False)).token_budget(1, 0.01, 777) == 777
+
+
+class _EagerStepBudget:
+    """The fit as it was first written: numpy normal equations, solved after every observed step."""
+
+    def __init__(self, c: StepBudgetConfig):
+        self.c = c
+        prior = np.array([c.prior_base_s, c.prior_decode_s, c.prior_prefill_s])
+        xs = np.array([[1.0, 0.0, 0.0], [1.0, 16.0, 0.0], [1.0, 0.0, 512.0]])
+        self.a = c.prior_weight * sum(np.outer(x, x) for x in xs)
+        self.b = c.prior_weight * sum(x * float(x @ prior) for x in xs)
+        self.coef = prior.copy()
+
+    def observe(self, d, p, s):
+        if d + p <= 0 or not (s > 0 and np.isfinite(s)):
+            return
+        x = np.array([1.0, float(d), float(p)])
+        for i in range(3):
+            for j in range(3):
+                self.a[i, j] = self.c.decay * self.a[i, j] + x[i] * x[j]
+            self.b[i] = self.c.decay * self.b[i] + x[i] * s
+        self.coef = np.maximum(np.linalg.solve(self.a, self.b), [0.0, 0.0, 1e-7])
+
+
+def test_coef_solved_when_read_equals_solving_after_every_step():
+    """`coef` is solved lazily (on read) from Python-float normal equations: bit for bit the coefficients and
+    budgets of solving after every observed step, with reads, observe_many runs and bad samples interleaved."""
+    rng = np.random.default_rng(3)
+    cfg = StepBudgetConfig()
+    sb, ref = StepBudget(cfg), _EagerStepBudget(cfg)
+    for _ in range(3000):
+        d, p = int(rng.integers(0, 40)), int(rng.integers(0, 3)) * int(rng.integers(0, 2048))
+        if rng.random() < 0.2:
+            secs = [float(x) for x in rng.uniform(0.001, 0.05, size=int(rng.integers(1, 30)))]
+            sb.observe_many(d, p, secs)
+            for s in secs:
+                ref.observe(d, p, s)
+        else:
+            s = float(rng.uniform(0.001, 0.05)) if rng.random() > 0.02 else float("nan")
+            sb.observe(d, p, s)
+            ref.observe(d, p, s)
+        if rng.random() < 0.3:
+            assert sb.coef.tolist() == ref.coef.tolist()
+            slo = float(rng.uniform(0.01, 0.2))
+            assert sb.token_budget(d, slo, 2048) == min(2048, d + max(cfg.min_prefill_tokens, int(
+                r / ref.coef[2]) if (r := cfg.headroom * slo - ref.coef[0] - ref.coef[1] * d) > 0 else 0))
+    assert sb.coef.tolist() == ref.coef.tolist()

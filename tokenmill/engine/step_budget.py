@@ -60,10 +60,29 @@ class StepBudget:
         prior = np.array([c.prior_base_s, c.prior_decode_s, c.prior_prefill_s])
         # the prior as pseudo-observations: one step of each pure kind at typical sizes
         xs = np.array([[1.0, 0.0, 0.0], [1.0, 16.0, 0.0], [1.0, 0.0, 512.0]])
-        self._a = c.prior_weight * sum(np.outer(x, x) for x in xs)
-        self._b = c.prior_weight * sum(x * float(x @ prior) for x in xs)
-        self.coef = prior.copy()
+        # the normal equations a · coef = b, kept as Python floats (3x3 and 3): updated per observed step
+        self._a: list[list[float]] = (c.prior_weight * sum(np.outer(x, x) for x in xs)).tolist()
+        self._b: list[float] = (c.prior_weight * sum(x * float(x @ prior) for x in xs)).tolist()
+        self._coef = prior.copy()
+        self._stale = False  # observed since the last solve: `coef` solves on its next read
         self.samples = 0
+
+    @property
+    def coef(self) -> np.ndarray:
+        """(base_s, decode_s, prefill_s): the least-squares solution of the steps observed so far. Solved when
+        read, not per observed step: the same value as solving after every `observe` (a · coef = b has one
+        solution per state), at one solve per step that reads it (`token_budget` with a TPOT SLO) instead of
+        one per step observed. `a` is the decayed prior (positive definite) plus outer products; only when the
+        prior has decayed to underflow (tens of thousands of steps of one shape) can it be exactly singular:
+        then the last solved value is kept -- per step that was the last state solved, here the last one read."""
+        if self._stale:
+            self._stale = False
+            try:
+                coef = np.linalg.solve(np.array(self._a), np.array(self._b))
+            except np.linalg.LinAlgError:
+                return self._coef
+            self._coef = np.maximum(coef, [0.0, 0.0, 1e-7])  # a step never gets cheaper with more work
+        return self._coef
 
     def observe(self, decode_seqs: int, prefill_tokens: int, seconds: float) -> None:
         """One step ran `decode_seqs` decode tokens and `prefill_tokens` prompt tokens in `seconds`."""
@@ -77,8 +96,7 @@ class StepBudget:
         if decode_seqs + prefill_tokens <= 0:
             return
         d = self.cfg.decay
-        a = self._a.tolist()
-        b = self._b.tolist()
+        a, b = self._a, self._b
         xx = [[xi * xj for xj in x] for xi in x]
         n = 0
         for s in seconds:
@@ -90,16 +108,9 @@ class StepBudget:
                     ai[j] = d * ai[j] + xxi[j]
                 b[i] = d * b[i] + x[i] * s
             n += 1
-        if not n:
-            return
-        self._a = np.array(a)
-        self._b = np.array(b)
-        try:
-            coef = np.linalg.solve(self._a, self._b)
-        except np.linalg.LinAlgError:
-            return
-        self.coef = np.maximum(coef, [0.0, 0.0, 1e-7])  # a step never gets cheaper with more work
-        self.samples += n
+        if n:
+            self._stale = True
+            self.samples += n
 
     def predict_s(self, decode_seqs: int, prefill_tokens: int) -> float:
         base, per_decode, per_prefill = self.coef
