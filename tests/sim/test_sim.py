@@ -83,6 +83,28 @@ def test_roofline_matches_datasheet_arithmetic():
     assert rf2.step_s(StepShape(tokens=8192, prefill_tokens=8192, attn_pairs=8192 * 8193 / 2, logits=1)) < prefill
 
 
+def test_decode_run_times_in_one_pass_equal_step_by_step():
+    """CostModel.decode_run_s (numpy, the fast-forward's planner) against the scalar step_s of each step of the
+    run (the base class's loop): equal bit for bit, roofline dense / MoE / TP and calibrated."""
+    from tokenmill.sim.cost_model import CostModel
+
+    rng = np.random.default_rng(5)
+    cal = Calibrated([0.002, 2e-5, 1e-4, 1e-8, 1e-7, 1e-4], {"serving": {"step_s": 1e-4, "per_seq_s": 3e-6,
+                                                                         "prefill_scale": 1.3}})
+    models = [Roofline(MODELS["llama-3.1-8b"], HW["h100"]), Roofline(MODELS["deepseek-v3"], HW["h200"]),
+              Roofline(MODELS["llama-3.1-405b"], HW["b300"], replace(Roofline(MODELS["llama-3.1-8b"], HW["h100"]).p,
+                                                                     tp=4, dtype="fp8")), cal]
+    for cost in models:
+        for _ in range(40):
+            d = int(rng.integers(1, 300))
+            ctx = rng.integers(1, 9000, size=d)
+            shape = StepShape(tokens=d, decode_seqs=d, attn_pairs=float(sum(ctx + 1)), decode_ctx=int(sum(ctx)),
+                              logits=d)
+            n = int(rng.integers(0, 400))
+            assert cost.decode_run_s(shape, n) == CostModel.decode_run_s(cost, shape, n)
+            assert len(cost.decode_run_s(shape, n)) == max(0, n - 1)
+
+
 @pytest.mark.parametrize("name,total_b,active_b", [
     ("llama-3.1-8b", 8.03, None), ("llama-3.1-70b", 70.6, None), ("llama-3.1-405b", 405.9, None),
     ("qwen3-32b", 32.8, None), ("deepseek-v3", 671, 37)])
@@ -323,13 +345,48 @@ def test_fast_forward_gives_exactly_the_results_of_stepping(tmp_path):
     assert seen["cut"] > 0 and seen["block_limited"] > 0  # both ways a run ends early were exercised
 
 
+def test_skipping_the_step_budget_when_it_cannot_bind_changes_nothing(tmp_path, monkeypatch):
+    """The worker sizes the step budget only when it can change the batch (worker.budget_can_bind): with the
+    budget sized before every step instead, every record and level statistic is identical, on the
+    fast-forward cases (preemption, one-token blocks) and one where the TPOT budget binds, and the shortcut was
+    taken (skipping also while a prefill runs with nothing waiting made it fail)."""
+    from tokenmill.sim import worker as sim_worker
+
+    hw = profile(tmp_path, [0.002, 2e-5, 1e-4, 1e-8, 1e-7, 1e-4])
+    real, skipped = sim_worker.budget_can_bind, [0]
+
+    def counting(s):
+        ok = real(s)
+        skipped[0] += not ok
+        return ok
+
+    # prefill 0.3 ms a token and interactive TPOT SLOs: the budget binds (~260 prefill tokens a step)
+    slow = profile(tmp_path, [0.002, 3e-4, 1e-4, 1e-8, 1e-7, 1e-4], name="slow.json")
+    cases = [(hw,) + c for c in FF_CASES] + [
+        (slow, "shared-prefix:groups=8,prompts=5,system=1000,question=400,output=200",
+         LoadConfig("rate", rate=8, num_requests=40), 1, "round-robin", "off", {})]
+    for ff in (True, False):
+        for hw, wl, load, workers, policy, admission, kw in cases:
+            runs = []
+            for patch in (counting, lambda s: True):
+                monkeypatch.setattr(sim_worker, "budget_can_bind", patch)
+                runs.append(sim(tmp_path, hw, wl, load, workers=workers, policy=policy, admission=admission,
+                                fast_forward=ff, **kw))
+            (a, la), (b, lb) = runs
+            assert [r.to_json() for r in a.runs[0].records] == [r.to_json() for r in b.runs[0].records], wl
+            timing = ("wall_s", "events_per_s", "speedup_vs_real_time")
+            assert {k: v for k, v in la["levels"][0].items() if k not in timing} == \
+                {k: v for k, v in lb["levels"][0].items() if k not in timing}
+    assert skipped[0] > 0
+
+
 def test_step_budget_observe_many_is_bitwise_the_per_step_update():
     """observe_many (one solve) against the numpy recursion written out here: a <- d a + x x^T, b <- d b + x s."""
     from tokenmill.engine.step_budget import StepBudget
 
     rng = np.random.default_rng(3)
     batch, ref = StepBudget(), StepBudget()
-    a, b = ref._a.copy(), ref._b.copy()
+    a, b = np.array(ref._a), np.array(ref._b)
     for _ in range(50):
         d, p = int(rng.integers(0, 40)), int(rng.choice([0, rng.integers(1, 2000)]))
         secs = list(rng.uniform(0.001, 0.05, int(rng.integers(1, 30))))
@@ -337,7 +394,7 @@ def test_step_budget_observe_many_is_bitwise_the_per_step_update():
         x = np.array([1.0, d, p])
         for s in secs:
             a, b = 0.98 * a + np.outer(x, x), 0.98 * b + x * s
-    assert (batch._a == a).all() and (batch._b == b).all()
+    assert (np.array(batch._a) == a).all() and (np.array(batch._b) == b).all()
     assert (batch.coef == np.maximum(np.linalg.solve(a, b), [0, 0, 1e-7])).all()
 
 

@@ -75,6 +75,14 @@ class CostModel:
     def step_s(self, shape: StepShape) -> float:
         raise NotImplementedError
 
+    def decode_run_s(self, shape: StepShape, n: int) -> list[float]:
+        """step_s of steps 1 .. n-1 of a run of decode-only steps whose step 0 has `shape` (decode_run.py: each
+        step reads one more context token per decode). Subclasses compute it in one numpy pass with the same
+        float operations as step_s, term by term (tests/sim: equal bit for bit)."""
+        d = shape.decode_seqs
+        return [self.step_s(StepShape(shape.tokens, 0, d, shape.attn_pairs + d * i, shape.decode_ctx + d * i, 0,
+                                      shape.logits)) for i in range(1, n)]
+
     def describe(self) -> dict:
         raise NotImplementedError
 
@@ -127,6 +135,21 @@ class Roofline(CostModel):
             t += 2 * m.layers * per
         return t
 
+    def decode_run_s(self, shape: StepShape, n: int) -> list[float]:
+        if n < 2:
+            return []
+        m, p, d = self.model, self.p, shape.decode_seqs
+        di = d * np.arange(1, n, dtype=np.int64)  # step i: attn_pairs + d·i, decode_ctx + d·i
+        flops = self._linear * shape.tokens + self._head * shape.logits + self._pair * (shape.attn_pairs + di)
+        weights = self._weights_dense if self._weights_dense is not None else \
+            m.weight_params_read(shape.tokens) * p.weight_bytes
+        kv = self._kv * (shape.decode_ctx + di + 0 + shape.tokens)  # decode_ctx + prefill_ctx (0) + tokens
+        t = np.maximum(flops / self._flops, (weights + kv) / self._bw) + self._fixed
+        if p.tp > 1:
+            per = 2 * (p.tp - 1) / p.tp * shape.tokens * m.hidden * 2.0 / self.hw.link_bw + self.hw.link_latency_s
+            t += 2 * m.layers * per
+        return t.tolist()
+
     def kv_capacity_tokens(self, mem_fraction: float = 0.9) -> int:
         """KV tokens a worker holds: mem_fraction of its HBM after the weights."""
         free = self.hw.hbm_bytes * self.p.tp * mem_fraction - self.model.params_total() * self.p.weight_bytes
@@ -169,6 +192,14 @@ class Calibrated(CostModel):
         c = self._c_list
         return (c[0] + c[1] * s.prefill_tokens + c[2] * s.decode_seqs + c[3] * s.attn_pairs + c[4] * s.decode_ctx
                 + c[5] * s.logits)
+
+    def decode_run_s(self, shape: StepShape, n: int) -> list[float]:
+        if n < 2:
+            return []
+        c, d = self._c_list, shape.decode_seqs
+        di = d * np.arange(1, n, dtype=np.int64)
+        return ((c[0] + c[1] * 0 + c[2] * d + c[3] * (shape.attn_pairs + di) + c[4] * (shape.decode_ctx + di))
+                + c[5] * shape.logits).tolist()
 
     def describe(self) -> dict:
         return {"kind": "calibrated", "features": list(FEATURES), "coef": [float(v) for v in self._c],

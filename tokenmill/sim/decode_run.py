@@ -30,6 +30,7 @@ this worker and an arrival at the same float time), which stepping resolves by s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 from tokenmill.engine.request import Request
 from tokenmill.sim.cost_model import CostModel, StepShape
@@ -88,15 +89,9 @@ def plan(sched, scheduler, kv, shape: StepShape, step0_s: float, now: float, cos
             break
     if n < 2:
         return None
-    d = shape.decode_seqs
-    step_s, ends = [step0_s], [now + step0_s]
-    t = ends[0]
-    for i in range(1, n):
-        s = cost.step_s(StepShape(shape.tokens, 0, d, shape.attn_pairs + d * i, shape.decode_ctx + d * i, 0,
-                                  shape.logits))
-        t += s
-        step_s.append(s)
-        ends.append(t)
+    rest = cost.decode_run_s(shape, n)  # = cost.step_s per step i (one more context token per decode each)
+    step_s = [step0_s] + rest
+    ends = list(accumulate(rest, initial=now + step0_s))  # end(i) = end(i-1) + step_s(i), as step by step
     return DecodeRun(reqs, computed0, shape, step_s, ends, block_limited=limited)
 
 

@@ -44,6 +44,18 @@ class SimKVCacheManager(KVCacheManager):
         return []
 
 
+def budget_can_bind(scheduler: Scheduler) -> bool:
+    """Whether the step budget can change the next `schedule()`: not when nothing waits and every running
+    request is decoding. Then schedule(token_budget=t) gives any t the batch of no budget -- the budget is never
+    below min(max_num_batched_tokens, decodes + 1), enough for every decode, and there is nothing else to
+    batch -- so the worker skips sizing it (the fit's solve: engine/step_budget.py). Not for the engine: with
+    speculative decoding the budget also sizes the drafts (the sim has none). tests/sim checks the results
+    with and without this shortcut are identical."""
+    if scheduler.num_waiting:
+        return True
+    return any(r.num_tokens - r.num_computed_tokens != 1 for r in scheduler.running)
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     num_blocks: int
@@ -117,7 +129,8 @@ class SimWorker:
 
     def _step(self) -> None:
         s = self.scheduler
-        sched = s.schedule(self.loop.now, self.step_budget.budget_for(s, self.cfg.max_num_batched_tokens))
+        budget = self.step_budget.budget_for(s, self.cfg.max_num_batched_tokens) if budget_can_bind(s) else None
+        sched = s.schedule(self.loop.now, budget)
         if sched.empty:
             self.busy = False
             return
