@@ -96,17 +96,19 @@ class StepBudget:
         if decode_seqs + prefill_tokens <= 0:
             return
         d = self.cfg.decay
-        a, b = self._a, self._b
-        xx = [[xi * xj for xj in x] for xi in x]
+        (a0, a1, a2), b = self._a, self._b
+        x0, x1, x2 = x
+        # a[i][j] <- d·a[i][j] + x[i]·x[j];  b[i] <- d·b[i] + x[i]·s  (written out: the per-step update)
+        p00, p01, p02, p10, p11, p12, p20, p21, p22 = (x0 * x0, x0 * x1, x0 * x2, x1 * x0, x1 * x1, x1 * x2,
+                                                       x2 * x0, x2 * x1, x2 * x2)
         n = 0
         for s in seconds:
             if not (s > 0 and math.isfinite(s)):
                 continue
-            for i in range(3):
-                ai, xxi = a[i], xx[i]
-                for j in range(3):
-                    ai[j] = d * ai[j] + xxi[j]
-                b[i] = d * b[i] + x[i] * s
+            a0[0], a0[1], a0[2] = d * a0[0] + p00, d * a0[1] + p01, d * a0[2] + p02
+            a1[0], a1[1], a1[2] = d * a1[0] + p10, d * a1[1] + p11, d * a1[2] + p12
+            a2[0], a2[1], a2[2] = d * a2[0] + p20, d * a2[1] + p21, d * a2[2] + p22
+            b[0], b[1], b[2] = d * b[0] + x0 * s, d * b[1] + x1 * s, d * b[2] + x2 * s
             n += 1
         if n:
             self._stale = True

@@ -94,6 +94,8 @@ class KVCacheManager:
 
     def _register_full_blocks(self, req: Request, table: list[KVBlock], num_tokens: int) -> None:
         bs = self.block_size
+        if num_tokens // bs <= req.num_registered_blocks:  # no block became full (most decode steps): nothing
+            return  # to hash or register (the hashes of the registered blocks are already on the request)
         hashes = self._hashes(req, num_tokens)
         toks = req.all_token_ids
         for i in range(req.num_registered_blocks, len(hashes)):
