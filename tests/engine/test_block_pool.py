@@ -2,8 +2,6 @@
 
 from collections import Counter
 
-import numpy as np
-
 from tokenmill.engine.kv.block_pool import BlockPool
 from tokenmill.engine.kv.hashing import ROOT_HASH, block_hashes, hash_block
 from tokenmill.engine.kv.kv_manager import KVCacheManager
@@ -138,19 +136,3 @@ def test_allocation_failure_changes_nothing():
     assert not kv.allocate_slots(b, 0, 10)
     assert "b" not in kv.tables and kv.pool.num_free == 1
     check_invariants(kv)
-
-
-def test_block_hashes_packed_once_equal_the_per_block_chain():
-    """block_hashes packs the tokens once for all blocks: every value equals hash_block chained block by block
-    (the independent reference: hashing.chain over hash_block), from any known start, any block size."""
-    from tokenmill.engine.kv.hashing import chain
-
-    rng = np.random.default_rng(7)
-    for _ in range(60):
-        bs = int(rng.choice([1, 3, 16, 512]))
-        toks = rng.integers(0, 2**40, size=int(rng.integers(0, 6 * bs + 5))).tolist()
-        ref = chain(hash_block, ROOT_HASH, toks, bs)
-        assert block_hashes(toks, bs) == ref
-        k = int(rng.integers(0, len(ref) + 1))
-        assert block_hashes(toks, bs, start=ref[:k]) == ref
-        assert block_hashes(toks[:k * bs], bs, start=ref[:k]) == ref[:k]

@@ -31,18 +31,5 @@ def chain(link, root, token_ids: list[int], block_size: int, start: list | None 
 
 
 def block_hashes(token_ids: list[int], block_size: int, start: list[int] | None = None) -> list[int]:
-    """Hashes of every full block of token_ids; `start` = already known hashes of the leading blocks.
-    `chain(hash_block, ROOT_HASH, ...)` with the tokens packed once for all the blocks (the same bytes into the
-    same hash: equal values, tests/engine/test_block_pool.py)."""
-    out = list(start or [])
-    done, n = len(out), len(token_ids) // block_size
-    if n <= done:
-        return out
-    buf = memoryview(array("q", token_ids[done * block_size:n * block_size]).tobytes())
-    step, parent, pack, blake2b = 8 * block_size, out[-1] if out else ROOT_HASH, struct.pack, hashlib.blake2b
-    for k in range(0, (n - done) * step, step):
-        h = blake2b(pack("<Q", parent), digest_size=8)
-        h.update(buf[k:k + step])
-        parent = int.from_bytes(h.digest(), "little")
-        out.append(parent)
-    return out
+    """Hashes of every full block of token_ids; `start` = already known hashes of the leading blocks."""
+    return chain(hash_block, ROOT_HASH, token_ids, block_size, start)
