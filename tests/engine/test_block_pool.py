@@ -136,3 +136,79 @@ def test_allocation_failure_changes_nothing():
     assert not kv.allocate_slots(b, 0, 10)
     assert "b" not in kv.tables and kv.pool.num_free == 1
     check_invariants(kv)
+
+
+class _ReferenceKV(KVCacheManager):
+    """allocate_slots and block registration as first written (no shortcut for a table that already covers the
+    tokens, hashing on every call): the reference the shortcuts must match."""
+
+    def allocate_slots(self, req, num_computed, num_new, computed=()):
+        if self.blocks_needed(req, num_computed, num_new, computed) > self.pool.num_free:
+            return False
+        table = self.tables.setdefault(req.request_id, [])
+        if computed:
+            self.pool.touch(list(computed))
+            table.extend(computed)
+        required = -(-(num_computed + num_new) // self.block_size)
+        if required > len(table):
+            table.extend(self.pool.allocate(required - len(table)))
+        if self.enable_caching:
+            bs, hashes = self.block_size, self._hashes(req, num_computed + num_new)
+            for i in range(req.num_registered_blocks, len(hashes)):
+                self.pool.register(table[i], hashes[i], req.all_token_ids[i * bs:(i + 1) * bs])
+            req.num_registered_blocks = max(req.num_registered_blocks, len(hashes))
+        return True
+
+
+def test_allocation_shortcuts_match_the_reference_on_random_workloads():
+    """The real KVCacheManager against _ReferenceKV through the same random admissions (with prefix hits),
+    prefill chunks, decode tokens, preemptions and finishes: every return value, block table, prefix-cache
+    entry, free-queue order, ref count and registered-block count equal."""
+    import random
+
+    for seed in range(12):
+        rng = random.Random(seed)
+        bs = rng.choice([1, 2, 4, 16])
+        num_blocks = rng.randint(8, 60)
+        kvs = [KVCacheManager(num_blocks, bs), _ReferenceKV(num_blocks, bs)]
+        prefixes = [[rng.randrange(50) for _ in range(rng.randint(0, 3 * bs))] for _ in range(3)]
+        live: list[list[Request]] = [[], []]
+        for step in range(400):
+            op = rng.random()
+            if op < 0.15 or not live[0]:
+                ids = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randint(1, 3 * bs))]
+                rs = [req(f"r{step}", ids) for _ in kvs]
+                outs = []
+                for kv, r in zip(kvs, rs):
+                    computed, cached = kv.get_computed_blocks(r)
+                    outs.append((cached, kv.allocate_slots(r, cached, r.num_tokens - cached, computed)))
+                    if outs[-1][1]:
+                        r.num_computed_tokens = r.num_tokens
+                assert outs[0] == outs[1]
+                if outs[0][1]:
+                    for lv, r in zip(live, rs):
+                        lv.append(r)
+            elif op < 0.8:  # a decode token (sometimes a few: a chunk)
+                k = rng.randrange(len(live[0]))
+                new = [rng.randrange(50) for _ in range(1 if rng.random() < 0.8 else rng.randint(2, 2 * bs))]
+                outs = []
+                for kv, lv in zip(kvs, live):
+                    r = lv[k]
+                    for t in new:
+                        r.append_output(t)
+                    outs.append(kv.allocate_slots(r, r.num_computed_tokens, r.num_tokens - r.num_computed_tokens))
+                    if outs[-1]:
+                        r.num_computed_tokens = r.num_tokens
+                assert outs[0] == outs[1]
+            else:  # finish or preempt: free the blocks
+                k = rng.randrange(len(live[0]))
+                for kv, lv in zip(kvs, live):
+                    kv.free(lv.pop(k))
+            a, b = kvs
+            assert {k: [x.block_id for x in t] for k, t in a.tables.items()} == \
+                {k: [x.block_id for x in t] for k, t in b.tables.items()}
+            assert {h: x.block_id for h, x in a.pool.cached.items()} == {h: x.block_id for h, x in b.pool.cached.items()}
+            assert list(a.pool.free) == list(b.pool.free)
+            assert [x.ref_cnt for x in a.pool.blocks] == [x.ref_cnt for x in b.pool.blocks]
+            assert [r.num_registered_blocks for r in live[0]] == [r.num_registered_blocks for r in live[1]]
+            check_invariants(a)

@@ -79,6 +79,12 @@ class KVCacheManager:
                        computed: list[KVBlock] = ()) -> bool:
         """Make room for num_new tokens after num_computed (the first len(computed) blocks come from the
         prefix cache). Registers blocks that become full. False (and no change) if blocks are short."""
+        table = self.tables.get(req.request_id)
+        if not computed and table is not None and -(-(num_computed + num_new) // self.block_size) <= len(table):
+            # the table already covers the tokens (most decode steps): blocks_needed is 0, nothing to allocate
+            if self.enable_caching:
+                self._register_full_blocks(req, table, num_computed + num_new)
+            return True
         if self.blocks_needed(req, num_computed, num_new, computed) > self.pool.num_free:
             return False
         table = self.tables.setdefault(req.request_id, [])
