@@ -212,3 +212,18 @@ def test_allocation_shortcuts_match_the_reference_on_random_workloads():
             assert [x.ref_cnt for x in a.pool.blocks] == [x.ref_cnt for x in b.pool.blocks]
             assert [r.num_registered_blocks for r in live[0]] == [r.num_registered_blocks for r in live[1]]
             check_invariants(a)
+
+
+def test_block_hashes_of_a_numpy_array_equal_the_list_ones():
+    import numpy as np
+
+    from tokenmill.engine.kv.hashing import block_hashes_of_array
+
+    rng = np.random.default_rng(1)
+    for bs in (1, 3, 16, 512):
+        for n in (0, 1, bs - 1, bs, 3 * bs + 2, 5 * bs):
+            for dtype in (np.int64, np.int32, np.uint32):
+                arr = rng.integers(0, 2**31 - 1, size=n).astype(dtype)
+                assert block_hashes_of_array(arr, bs) == block_hashes(arr.tolist(), bs)
+    big = rng.integers(0, 2**62, size=40)
+    assert block_hashes_of_array(big, 4) == block_hashes(big.tolist(), 4)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from tokenmill.bench.record import RequestRecord
 from tokenmill.bench.runner import LoadConfig
 from tokenmill.bench.session import Session
+from tokenmill.engine.kv.hashing import block_hashes_of_array
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.prompt import PromptKey
 from tokenmill.router.prefix_index import chunk_hashes
@@ -189,9 +190,9 @@ class ClusterSim:
         key = PromptKey(chunk_hashes(arr, self.chunk_tokens), True, len(ids), self.chunk_tokens)
         ctx = self.router.new_request(key, cls, turn.max_tokens)
         live = _Live(rec, session, ctx)
-        self.router.submit(ctx, lambda flight, refused: self._dispatched(live, ids, flight, refused))
+        self.router.submit(ctx, lambda flight, refused: self._dispatched(live, ids, flight, refused, arr))
 
-    def _dispatched(self, live: _Live, ids: list[int], flight, refused: Refused | None) -> None:
+    def _dispatched(self, live: _Live, ids: list[int], flight, refused: Refused | None, arr=None) -> None:
         rec, now = live.rec, self.loop.now
         if refused is not None:
             rec.status, rec.http_status, rec.end_s = "rejected", refused.status, now
@@ -200,7 +201,10 @@ class ClusterSim:
         w = self.workers[flight.worker]
         live.flight, live.worker = flight, w
         cls = live.ctx.cls
-        hashes: list[int] = []  # the prompt's block hashes, computed once (as the server's admission keeps them)
+        # the prompt's block hashes, computed once (as the server's admission keeps them), from the planned
+        # array's buffer when there is one (the same values as hashing the list block by block)
+        hashes = block_hashes_of_array(arr, w.cfg.block_size) if arr is not None and w.cfg.enable_prefix_caching \
+            else []
         hit = min(w.cached_prefix_tokens(ids, hashes), len(ids) - 1)
         rank = 0 if 0 < len(ids) - hit <= CHEAP_PREFILL_TOKENS else 1
         rid = live.ctx.request_id

@@ -33,3 +33,20 @@ def chain(link, root, token_ids: list[int], block_size: int, start: list | None 
 def block_hashes(token_ids: list[int], block_size: int, start: list[int] | None = None) -> list[int]:
     """Hashes of every full block of token_ids; `start` = already known hashes of the leading blocks."""
     return chain(hash_block, ROOT_HASH, token_ids, block_size, start)
+
+
+def block_hashes_of_array(tokens, block_size: int) -> list[int]:
+    """block_hashes of a numpy array of token ids, hashing its int64 buffer in place: the bytes that
+    hash_block packs (`array("q")`, native int64 either way), without building a list per block
+    (tests/engine/test_block_pool.py: equal to block_hashes)."""
+    import numpy as np
+
+    n = len(tokens) // block_size
+    buf = memoryview(np.ascontiguousarray(tokens[:n * block_size], dtype=np.int64)).cast("B")
+    out, parent, step = [], ROOT_HASH, 8 * block_size
+    for k in range(0, n * step, step):
+        h = hashlib.blake2b(struct.pack("<Q", parent), digest_size=8)
+        h.update(buf[k:k + step])
+        parent = int.from_bytes(h.digest(), "little")
+        out.append(parent)
+    return out
