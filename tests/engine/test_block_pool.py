@@ -207,7 +207,8 @@ def test_allocation_shortcuts_match_the_reference_on_random_workloads():
             a, b = kvs
             assert {k: [x.block_id for x in t] for k, t in a.tables.items()} == \
                 {k: [x.block_id for x in t] for k, t in b.tables.items()}
-            assert {h: x.block_id for h, x in a.pool.cached.items()} == {h: x.block_id for h, x in b.pool.cached.items()}
+            assert {h: x.block_id for h, x in a.pool.cached.items()} == \
+                {h: x.block_id for h, x in b.pool.cached.items()}
             assert list(a.pool.free) == list(b.pool.free)
             assert [x.ref_cnt for x in a.pool.blocks] == [x.ref_cnt for x in b.pool.blocks]
             assert [r.num_registered_blocks for r in live[0]] == [r.num_registered_blocks for r in live[1]]
