@@ -91,7 +91,7 @@ class StepBudget:
     def observe_many(self, decode_seqs: int, prefill_tokens: int, seconds) -> None:
         """Consecutive steps of the same shape that ran in `seconds` (one per step): the same state as one
         `observe` per step, in the same float operations (the simulator's fast-forward of decode-only steps
-        relies on that), with one solve at the end instead of one per step."""
+        relies on that); the solve waits for the next read of `coef`."""
         x = (1.0, float(decode_seqs), float(prefill_tokens))
         if decode_seqs + prefill_tokens <= 0:
             return
