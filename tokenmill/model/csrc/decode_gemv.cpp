@@ -175,6 +175,9 @@ bool vnni_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch::Tens
 #ifdef TM_GEMV_VNNI
   if (!g_enabled.load(std::memory_order_relaxed)) return false;
   const int64_t M = x.size(0), K = x.size(1), N = w8.size(0);
+  // 5-8 rows on one thread: measured slower than linear_small_vnni's loop (its 8-row k-interleave reuses each x
+  // load across rows; here the M x 16 accumulators spill), faster at 2 threads (one parallel region instead of two)
+  if (M > 4 && at::get_num_threads() == 1) return false;
   if (M < 1 || M > 8 || K % 64 != 0 || K > MAXK || N % 16 != 0 || !x.is_contiguous() || !w8.is_contiguous() ||
       !out.is_contiguous() || !wsum.is_contiguous() || !sw.is_contiguous() || w8.scalar_type() != at::kChar ||
       wsum.scalar_type() != at::kInt || sw.scalar_type() != at::kFloat || out.scalar_type() != x.scalar_type() ||
