@@ -1179,6 +1179,10 @@ bool has_vnni_small() {
 #endif
 }
 
+// csrc/decode_gemv.cpp: the same product, weights in address order, one parallel region (false: not applicable)
+bool vnni_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch::Tensor wsum, torch::Tensor sw,
+               c10::optional<torch::Tensor> bias);
+
 template <typename T>
 static void linear_small_vnni_impl(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch::Tensor wsum,
                                    torch::Tensor sw, c10::optional<torch::Tensor> bias) {
@@ -1188,6 +1192,7 @@ static void linear_small_vnni_impl(torch::Tensor out, torch::Tensor x, torch::Te
   const int64_t M = x.size(0), K = x.size(1), N = w8.size(0);
   TORCH_CHECK(w8.size(1) == K && out.size(0) == M && out.size(1) == N && M >= 1 && M <= 8 && K % 64 == 0,
               "linear_small_vnni: shapes (K a multiple of 64, at most 8 rows)");
+  if (vnni_gemv(out, x, w8, wsum, sw, bias)) return;
   // quantize the rows exactly as quantize_rows does (same scale, same rounding), then shift to unsigned
   std::vector<int8_t> q(M * K);
   std::vector<float> sx(M);
@@ -1407,6 +1412,7 @@ bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
                        torch::Tensor block_tables, double scale, int64_t window, c10::optional<torch::Tensor> k_scales,
                        c10::optional<torch::Tensor> v_scales);
 void register_lm_head(pybind11::module& m);  // csrc/lm_head.cpp
+void register_decode_gemv(pybind11::module& m);  // csrc/decode_gemv.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32/bf16 q, any KV dtype)",
@@ -1435,4 +1441,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
   m.def("linear_small_int8", &linear_small_int8, "y = x W8^T * sw (+ b) for at most 8 rows (CPU)");
   register_lm_head(m);
+  register_decode_gemv(m);
 }
