@@ -98,6 +98,7 @@ class LlamaModel(nn.Module):
         self.tied_head: "PackedWeight | Linear | None" = None
         self.packed_head: PackedHead | Int8PackedHead | None = None  # the head kernel (lm_head.py), after loading
         self.fused = None  # the one-call decoder stack for decode steps (fused_decode.py), set after loading
+        self.fused_mixed = None  # its twin for steps with prefill chunks (fused_mixed.py), set after loading
 
     def process_weights_after_loading(self) -> None:
         """Once the weights are in and on their device: let each linear method repack its weights."""
@@ -123,6 +124,9 @@ class LlamaModel(nn.Module):
         from tokenmill.model.fused_decode import FusedDecodeStack
 
         self.fused = FusedDecodeStack.build(self)  # None: every step runs the modules below
+        from tokenmill.model.fused_mixed import FusedMixedStack
+
+        self.fused_mixed = FusedMixedStack.build(self)  # None: steps with prefill chunks run the modules
 
     def _decode_read_bytes(self) -> int:
         """The weight bytes one batch-1 decode step must read (the bandwidth floor's numerator): every projection
@@ -149,6 +153,8 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.fused is not None and self.fused.applies(x, meta) and positions.dtype == torch.int64:
             return self.fused(x, positions, self.rope, kv_caches, meta)
+        if self.fused_mixed is not None and self.fused_mixed.applies(x, meta) and positions.dtype == torch.int64:
+            return self.fused_mixed(x, positions, self.rope, kv_caches, meta)
         for layer, cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rope, cache, meta)
         return self.norm(x)

@@ -1407,6 +1407,7 @@ bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
                        torch::Tensor block_tables, double scale, int64_t window, c10::optional<torch::Tensor> k_scales,
                        c10::optional<torch::Tensor> v_scales);
 void register_lm_head(pybind11::module& m);  // csrc/lm_head.cpp
+void register_mixed_stack(pybind11::module& m);  // csrc/mixed_stack.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32/bf16 q, any KV dtype)",
@@ -1435,4 +1436,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_scales") = py::none(), py::arg("v_scales") = py::none());
   m.def("linear_small_int8", &linear_small_int8, "y = x W8^T * sw (+ b) for at most 8 rows (CPU)");
   register_lm_head(m);
+  register_mixed_stack(m);
 }
