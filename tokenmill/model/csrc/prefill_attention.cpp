@@ -397,6 +397,36 @@ bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
             std::fill(Pb.begin() + r * KT, Pb.begin() + (r + 1) * KT, 0);
             continue;
           }
+#ifdef TMP_BF16
+          static_assert(KT == 32, "the AVX-512 row below holds a tile's 32 keys in two registers");
+          {  // AVX-512: the row's 32 keys in two registers, masked by the valid range
+            const uint32_t nv = static_cast<uint32_t>(jhi - jlo + 1);
+            const uint32_t bits = (nv == 32 ? 0xffffffffu : ((1u << nv) - 1u)) << jlo;
+            const __mmask16 k0 = static_cast<__mmask16>(bits & 0xffffu), k1 = static_cast<__mmask16>(bits >> 16);
+            const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+            const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+            const float mx = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_mask_mov_ps(ninf, k0, s0), _mm512_mask_mov_ps(ninf, k1, s1)));
+            const float mnew = std::max(m[r], mx);
+            const float alpha = std::exp(m[r] - mnew);  // m = -inf at first: alpha = 0
+            m[r] = mnew;
+            const __m512 mn = _mm512_set1_ps(mnew);
+            const __m512 e0 = _mm512_maskz_mov_ps(k0, exp512(_mm512_sub_ps(s0, mn)));
+            const __m512 e1 = _mm512_maskz_mov_ps(k1, exp512(_mm512_sub_ps(s1, mn)));
+            if (G.bf16)
+              _mm512_storeu_si512(Pb.data() + r * KT, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            else {
+              _mm512_storeu_ps(pf, e0);
+              _mm512_storeu_ps(pf + 16, e1);
+            }
+            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+            if (alpha != 1.f) {
+              float* o = O.data() + r * G.hdp;
+              for (int64_t d = 0; d < G.hdp; ++d) o[d] *= alpha;
+            }
+            continue;
+          }
+#endif
           float mx = -std::numeric_limits<float>::infinity();
           if (jlo == 0 && jhi == KT - 1) {
             __m256 m8 = _mm256_max_ps(_mm256_max_ps(_mm256_loadu_ps(s), _mm256_loadu_ps(s + 8)),
