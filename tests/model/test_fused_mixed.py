@@ -142,3 +142,39 @@ def test_prefill_attention_off_means_the_modules(monkeypatch, tiny_dir):
     monkeypatch.setenv("TOKENMILL_PREFILL_ATTN", "0")
     _run(llm, counting)
     assert counting.calls == 0
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_last_layer_pruned_to_the_sampled_rows(tiny_dir, fused):
+    """Prefill steps: the last layer computes only the sampled rows past its attention (meta.logits_rows), in the
+    fused stack and in the modules. Against the same engine computing every row (runner.prune_rows = False): the
+    same greedy tokens, fp32 logprobs within 1e-4 (fewer rows may take another GEMM kernel: last-bit differences)."""
+    llm = _llm(tiny_dir, dtype="float32")
+    model = llm.engine.runner.model
+    mixed = model.fused_mixed
+    seen = []
+    orig = type(model).forward
+
+    def spy(self, input_ids, positions, kv_caches, meta):
+        out = orig.__wrapped__(self, input_ids, positions, kv_caches, meta) if hasattr(orig, "__wrapped__") else \
+            orig(self, input_ids, positions, kv_caches, meta)
+        if meta.spans:
+            seen.append((input_ids.shape[0], None if meta.logits_rows is None else meta.logits_rows.shape[0],
+                         out.shape[0]))
+        return out
+
+    type(model).forward = spy
+    try:
+        got_t, got_lp = _run(llm, mixed if fused else None)
+        pruned = list(seen)
+        llm.engine.runner.prune_rows = False
+        seen.clear()
+        ref_t, ref_lp = _run(llm, mixed if fused else None)
+    finally:
+        type(model).forward = orig
+        llm.engine.runner.prune_rows = True
+    assert any(r is not None and r < t for t, r, _ in pruned), "no prefill step was pruned"
+    assert all(o == (t if r is None else r) for t, r, o in pruned)
+    assert all(r is None and o == t for t, r, o in seen)
+    assert got_t == ref_t
+    torch.testing.assert_close(got_lp, ref_lp, atol=1e-4, rtol=0)

@@ -57,7 +57,8 @@ class FusedMixedStack:
         return dec is None or dec.shape[0] + sum(s.q_len for s in meta.spans) == t
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope, kv_caches, meta: AttentionMetadata):
-        """x [T, hidden] (the embeddings; updated in place as the residual stream) -> final normed hidden."""
+        """x [T, hidden] (the embeddings; the residual stream) -> final normed hidden, [T, hidden] or, with
+        `meta.logits_rows`, those rows only (as the module path)."""
         s = self.stack
         if meta.prefill_args is None:
             meta.prefill_args = _prefill_args(meta.spans)
@@ -68,5 +69,5 @@ class FusedMixedStack:
         dec_len = meta.decode_ctx_lens if dec is not None else empty
         return s.kernels.decoder_stack_mixed(
             x, positions, rope.cos, rope.sin, s.weights, s.kinds, s._cache_list(kv_caches), meta.slot_mapping,
-            *meta.prefill_args, dec_idx, dec_bt, dec_len, s.final_norm, s.eps, s.scale, meta.sliding_window or 0,
+            *meta.prefill_args, dec_idx, dec_bt, dec_len, meta.logits_rows, s.final_norm, s.eps, s.scale, meta.sliding_window or 0,
             s.nh, s.nkv, s.hd, s.inter)

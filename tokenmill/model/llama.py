@@ -29,7 +29,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = self.hd ** -0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, cache, meta: AttentionMetadata):
+    def forward(self, x, positions, rope: RotaryEmbedding, cache, meta: AttentionMetadata, rows=None):
+        """`rows` given: the output of those rows only (the attention of all, whose K/V are written)."""
         t = x.shape[0]  # x: [T, hidden]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
@@ -38,7 +39,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
         o = paged_attention(q, k, v, cache, meta, self.scale)  # [T, nh, hd]
-        return self.o_proj(o.reshape(t, self.nh * self.hd))
+        o = o.reshape(t, self.nh * self.hd)
+        if rows is not None and rows.numel() == 0:  # no row wanted: the K/V writes were the point
+            return None
+        return self.o_proj(o if rows is None else o.index_select(0, rows))
 
 
 class MLP(nn.Module):
@@ -68,9 +72,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, method)
 
-    def forward(self, x, positions, rope, cache, meta):
-        """x is the residual stream; this layer owns it (it is updated in place and returned)."""
-        a = self.self_attn(self.input_layernorm(x), positions, rope, cache, meta)
+    def forward(self, x, positions, rope, cache, meta, rows=None):
+        """x is the residual stream; this layer owns it (it is updated in place and returned). `rows` given: only
+        those rows past the attention (a new residual of [len(rows), hidden] is returned)."""
+        a = self.self_attn(self.input_layernorm(x), positions, rope, cache, meta, rows)
+        if rows is not None:
+            x = x.index_select(0, rows)
+            if a is None:
+                return x
         h = self.post_attention_layernorm(x, residual=a)  # x += a, then norm
         return x.add_(self.mlp(h))
 
@@ -149,14 +158,16 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (`meta.logits_rows` set: [R, hidden], those
+        rows only; the last layer skips the others past its attention)."""
         x = self.embed_tokens(input_ids)
         if self.fused is not None and self.fused.applies(x, meta) and positions.dtype == torch.int64:
             return self.fused(x, positions, self.rope, kv_caches, meta)
         if self.fused_mixed is not None and self.fused_mixed.applies(x, meta) and positions.dtype == torch.int64:
             return self.fused_mixed(x, positions, self.rope, kv_caches, meta)
-        for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, cache, meta)
+        last = len(self.layers) - 1
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, positions, self.rope, cache, meta, meta.logits_rows if i == last else None)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -97,12 +97,15 @@ bool has_prefill_attention() {
 // x [T, hidden] contiguous (the embeddings; the residual stream, updated in place) -> final normed hidden [T, hidden].
 // Spans (q_len > 1, as prefill_attention takes them): q_starts, q_lens, ctx_lens [S], block_tables [S, MB] int64.
 // Decode tokens: dec_idx [D] (flat indices; D may be 0), dec_block_tables [D, MB'], dec_ctx_lens [D].
+// rows [R] (optional): the last layer computes only these rows past its attention; the result is [R, hidden]
+// (llama.py's `meta.logits_rows`).
 torch::Tensor decoder_stack_mixed(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                                   std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
                                   std::vector<torch::Tensor> caches, torch::Tensor slot_mapping,
                                   torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor ctx_lens,
                                   torch::Tensor block_tables, torch::Tensor dec_idx, torch::Tensor dec_block_tables,
-                                  torch::Tensor dec_ctx_lens, torch::Tensor final_norm, double eps, double scale,
+                                  torch::Tensor dec_ctx_lens, c10::optional<torch::Tensor> rows,
+                                  torch::Tensor final_norm, double eps, double scale,
                                   int64_t window, int64_t nh, int64_t nkv, int64_t hd, int64_t inter) {
   TORCH_CHECK(has_prefill_attention(), "decoder_stack_mixed: prefill attention not compiled in (no AVX2+FMA)");
   const int64_t T = x.size(0), H = x.size(1), L = (int64_t)kinds.size() / 4, D = dec_idx.numel();
@@ -147,13 +150,22 @@ torch::Tensor decoder_stack_mixed(torch::Tensor x, torch::Tensor positions, torc
       paged_decode_attention(od, qd, kc, vc, dec_block_tables, dec_ctx_lens, scale, window, ksc, vsc);
       attn.index_copy_(0, dec_idx, od);
     }
-    auto a_out = linear(attn.view({T, nh * hd}), w, b + 4 + LIN_SLOTS, kd[1], H);
+    auto a_in = attn.view({T, nh * hd});
+    if (l == L - 1 && rows.has_value()) {  // the last layer past its attention: the wanted rows only
+      const int64_t R = rows->numel();
+      x = x.index_select(0, *rows);
+      if (R == 0) break;  // nothing wanted (the K/V writes were the point)
+      a_in = a_in.index_select(0, *rows);
+      h = at::empty({R, H}, opts);
+      act = at::empty({R, inter}, opts);
+    }
+    auto a_out = linear(a_in, w, b + 4 + LIN_SLOTS, kd[1], H);
     rms_norm(h, x, a_out, w[b + 1], eps);  // x += attention output, h = norm(x)
     auto gu = linear(h, w, b + 4 + 2 * LIN_SLOTS, kd[2], 2 * inter);
     silu_mul(act, gu);
     x.add_(linear(act, w, b + 4 + 3 * LIN_SLOTS, kd[3], H));
   }
-  auto out = at::empty({T, H}, opts);
+  auto out = at::empty({x.size(0), H}, opts);
   rms_norm(out, x, c10::nullopt, final_norm, eps);
   return out;
 }
