@@ -208,6 +208,9 @@ def test_engine_chunked_prefill_over_prefix_hits_matches_the_pytorch_path(model_
     level above, against the dense reference.)"""
     from tokenmill import LLM
 
+    # the modules' attention call is what this test compares (the fused mixed stack, which calls the same kernel from
+    # C++, is checked against the modules in tests/model/test_fused_mixed.py)
+    monkeypatch.setenv("TOKENMILL_FUSED_MIXED", "0")
     llm = LLM(str(model_dir(preset)), dtype=dtype, kv_cache_dtype=kv, kv_cache_bytes="8MiB",
               enable_prefix_caching=True, max_num_batched_tokens=32)
     calls = []

@@ -77,6 +77,9 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.sliding_window = sliding_window
+        # steps with prefill chunks: the last layer computes only the sampled rows past its attention
+        # (AttentionMetadata.logits_rows); False: every row (the tests compare the two)
+        self.prune_rows = True
         shape = (2, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
         if self.kv_dtype == torch.int8:  # int8 data + one fp32 scale per (block, kv head) for K and V
             self.kv_caches = [Int8KVCache.empty(num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, device,
@@ -217,6 +220,8 @@ class ModelRunner:
             meta.decode_token_idx = self._tensor(dec_idx)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in dec_tables])
             meta.decode_ctx_lens = self._tensor(dec_lens)
+        if self.prune_rows and spans and len(logits_idx) < len(input_ids):  # a prefill step: its last layer computes only sampled rows
+            meta.logits_rows = self._tensor(logits_idx)
         # verify rows get the linear kernels' bits of the step without drafts (lossless greedy in bf16: see
         # linear.small_row_bits); a step without drafts is unchanged
         small = PackedWeight.SMALL_ROWS

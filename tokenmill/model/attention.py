@@ -42,6 +42,10 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [D, 1, 1, max_blocks*block_size] bool, True = attend (fallback path)
     sliding_window: int | None = None
     prefill_args: tuple | None = None  # the spans as the C++ prefill attention takes them (built once per step)
+    # [R] long, increasing: the rows whose hidden states the caller reads (the rows it samples from); set, the last
+    # layer computes only these rows past its attention (KV of every row is still written) and the model returns
+    # [R, hidden]. None: every row. The runner sets it for steps with prefill chunks.
+    logits_rows: torch.Tensor | None = None
 
 
 class Int8KVCache:

@@ -29,7 +29,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.scale = self.hd ** -0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, cache, meta: AttentionMetadata):
+    def forward(self, x, positions, rope: RotaryEmbedding, cache, meta: AttentionMetadata, rows=None):
+        """`rows` given: the output of those rows only (the attention of all, whose K/V are written)."""
         t = x.shape[0]  # x: [T, hidden]
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
@@ -38,7 +39,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
         o = paged_attention(q, k, v, cache, meta, self.scale)  # [T, nh, hd]
-        return self.o_proj(o.reshape(t, self.nh * self.hd))
+        o = o.reshape(t, self.nh * self.hd)
+        if rows is not None and rows.numel() == 0:  # no row wanted: the K/V writes were the point
+            return None
+        return self.o_proj(o if rows is None else o.index_select(0, rows))
 
 
 class MLP(nn.Module):
@@ -68,9 +72,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, method)
 
-    def forward(self, x, positions, rope, cache, meta):
-        """x is the residual stream; this layer owns it (it is updated in place and returned)."""
-        a = self.self_attn(self.input_layernorm(x), positions, rope, cache, meta)
+    def forward(self, x, positions, rope, cache, meta, rows=None):
+        """x is the residual stream; this layer owns it (it is updated in place and returned). `rows` given: only
+        those rows past the attention (a new residual of [len(rows), hidden] is returned)."""
+        a = self.self_attn(self.input_layernorm(x), positions, rope, cache, meta, rows)
+        if rows is not None:
+            x = x.index_select(0, rows)
+            if a is None:
+                return x
         h = self.post_attention_layernorm(x, residual=a)  # x += a, then norm
         return x.add_(self.mlp(h))
 
@@ -98,6 +107,7 @@ class LlamaModel(nn.Module):
         self.tied_head: "PackedWeight | Linear | None" = None
         self.packed_head: PackedHead | Int8PackedHead | None = None  # the head kernel (lm_head.py), after loading
         self.fused = None  # the one-call decoder stack for decode steps (fused_decode.py), set after loading
+        self.fused_mixed = None  # its twin for steps with prefill chunks (fused_mixed.py), set after loading
 
     def process_weights_after_loading(self) -> None:
         """Once the weights are in and on their device: let each linear method repack its weights."""
@@ -123,6 +133,9 @@ class LlamaModel(nn.Module):
         from tokenmill.model.fused_decode import FusedDecodeStack
 
         self.fused = FusedDecodeStack.build(self)  # None: every step runs the modules below
+        from tokenmill.model.fused_mixed import FusedMixedStack
+
+        self.fused_mixed = FusedMixedStack.build(self)  # None: steps with prefill chunks run the modules
 
     def _decode_read_bytes(self) -> int:
         """The weight bytes one batch-1 decode step must read (the bandwidth floor's numerator): every projection
@@ -145,12 +158,16 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (`meta.logits_rows` set: [R, hidden], those
+        rows only; the last layer skips the others past its attention)."""
         x = self.embed_tokens(input_ids)
         if self.fused is not None and self.fused.applies(x, meta) and positions.dtype == torch.int64:
             return self.fused(x, positions, self.rope, kv_caches, meta)
-        for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, cache, meta)
+        if self.fused_mixed is not None and self.fused_mixed.applies(x, meta) and positions.dtype == torch.int64:
+            return self.fused_mixed(x, positions, self.rope, kv_caches, meta)
+        last = len(self.layers) - 1
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, positions, self.rope, cache, meta, meta.logits_rows if i == last else None)
         return self.norm(x)
 
     @torch.inference_mode()

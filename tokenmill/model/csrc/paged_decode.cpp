@@ -39,6 +39,13 @@ static inline void store8(at::BFloat16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                    _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
+// 8 floats rounded to bf16 (as store8 rounds) and back to fp32
+static inline __m256 round_bf16_8(__m256 v) {
+  __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
 #endif
 
 static inline float to_f(float v) { return v; }
@@ -129,6 +136,14 @@ static inline __m512 load16(const at::BFloat16* p) {
 }
 static inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// 16 floats stored as float, or as bf16 rounded to nearest even (store8's rounding)
+static inline void store16_rne(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void store16_rne(at::BFloat16* p, __m512 v) {
+  __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(b));
 }
 // out[i] = sum of the 16 lanes of v[i], i < 16
 static inline __m512 transpose_sum16(const __m512* v) {
@@ -582,11 +597,24 @@ static void rms_norm_impl(torch::Tensor out, torch::Tensor x, c10::optional<torc
       T* xr = xp + r * dim;
       if (rp) {
         const T* rr = rp + r * dim;
-        for (int64_t i = 0; i < dim; ++i) xr[i] = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
+        int64_t i = 0;
+#ifdef TM_AVX2
+        for (; i + 8 <= dim; i += 8) store8(xr + i, _mm256_add_ps(load8(xr + i), load8(rr + i)));
+#endif
+        for (; i < dim; ++i) xr[i] = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
       }
       const float inv = 1.f / std::sqrt(sumsq(xr, dim) / (float)dim + (float)eps);
       T* o = op + r * dim;
-      for (int64_t i = 0; i < dim; ++i) o[i] = from_f<T>(to_f(wp[i]) * to_f(from_f<T>(to_f(xr[i]) * inv)));
+      int64_t i = 0;
+#ifdef TM_AVX2
+      const __m256 iv = _mm256_set1_ps(inv);
+      for (; i + 8 <= dim; i += 8) {  // the scalar loop's math: the normed x rounded to T, then times w
+        const __m256 xn = std::is_same<T, float>::value ? _mm256_mul_ps(load8(xr + i), iv)
+                                                        : round_bf16_8(_mm256_mul_ps(load8(xr + i), iv));
+        store8(o + i, _mm256_mul_ps(load8(wp + i), xn));
+      }
+#endif
+      for (; i < dim; ++i) o[i] = from_f<T>(to_f(wp[i]) * to_f(from_f<T>(to_f(xr[i]) * inv)));
     }
   });
 }
@@ -609,6 +637,16 @@ static void silu_mul_impl(torch::Tensor out, torch::Tensor gu) {
       const T* u = g + I;
       T* o = op + r * I;
       int64_t i = 0;
+#ifdef TM_AVX512
+      {  // 16 lanes, lane for lane the 8-lane loop's operations (exp512 = exp256's): the same bits
+        const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+        for (; i + 16 <= I; i += 16) {
+          __m512 gv = load16(g + i);
+          __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(zero, gv))));
+          store16_rne(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), load16(u + i)));
+        }
+      }
+#endif
 #ifdef TM_AVX2
       const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
       for (; i + 8 <= I; i += 8) {
@@ -650,7 +688,15 @@ static void rope_inplace_impl(torch::Tensor x, torch::Tensor positions, torch::T
       for (int64_t h = 0; h < H; ++h) {
         T* x1 = xp + t * s0 + h * s1;
         T* x2 = x1 + half;
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+#ifdef TM_AVX2
+        for (; i + 8 <= half; i += 8) {
+          const __m256 a = load8(x1 + i), b = load8(x2 + i), cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+          store8(x1 + i, _mm256_fmsub_ps(a, cv, _mm256_mul_ps(b, sv)));
+          store8(x2 + i, _mm256_fmadd_ps(b, cv, _mm256_mul_ps(a, sv)));
+        }
+#endif
+        for (; i < half; ++i) {
           const float a = to_f(x1[i]), b = to_f(x2[i]);
           x1[i] = from_f<T>(a * c[i] - b * s[i]);
           x2[i] = from_f<T>(b * c[i] + a * s[i]);
@@ -1413,6 +1459,7 @@ bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
                        c10::optional<torch::Tensor> v_scales);
 void register_lm_head(pybind11::module& m);  // csrc/lm_head.cpp
 void register_decode_gemv(pybind11::module& m);  // csrc/decode_gemv.cpp
+void register_mixed_stack(pybind11::module& m);  // csrc/mixed_stack.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32/bf16 q, any KV dtype)",
@@ -1442,4 +1489,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_small_int8", &linear_small_int8, "y = x W8^T * sw (+ b) for at most 8 rows (CPU)");
   register_lm_head(m);
   register_decode_gemv(m);
+  register_mixed_stack(m);
 }

@@ -156,9 +156,10 @@ void pack(const Geometry& G, const float* kf, const float* vf, int64_t ctx, int6
 }
 
 #ifdef TMP_AVX2
-// S[r][0:KT] = scale * q_r . k_j for the KT keys of tile kt, all QT rows (rows past the tile's are zero queries)
-void scores_f32(const float* qb, const float* kp, int64_t hd, int64_t kt, float scale, float* Sc) {
-  for (int r0 = 0; r0 < QT; r0 += 8) {
+// S[r][0:KT] = scale * q_r . k_j for the KT keys of tile kt, rows [0, nrows) (a multiple of 8; rows past the tile's
+// real ones are zero queries)
+void scores_f32(const float* qb, const float* kp, int64_t hd, int64_t kt, float scale, float* Sc, int nrows) {
+  for (int r0 = 0; r0 < nrows; r0 += 8) {
     for (int g = 0; g < KT / 8; ++g) {
       const float* kg = kp + ((kt * (KT / 8) + g) * hd) * 8;
       __m256 a[8];
@@ -197,25 +198,61 @@ inline __m512bh bcast_pair(const uint16_t* p) {
   return (__m512bh)_mm512_set1_epi32(v);
 }
 
-void scores_bf16(const uint16_t* qb, const uint16_t* kp, int64_t hd2, int64_t kt, float scale, float* Sc) {
+void scores_bf16(const uint16_t* qb, const uint16_t* kp, int64_t hd2, int64_t kt, float scale, float* Sc,
+                 int nrows) {
   const int64_t npair = hd2 / 2;
-  for (int r0 = 0; r0 < QT; r0 += 8) {
-    for (int g = 0; g < KT / 16; ++g) {
-      const uint16_t* kg = kp + ((kt * (KT / 16) + g) * npair) * 32;
-      __m512 a[8];
-      for (int r = 0; r < 8; ++r) a[r] = _mm512_setzero_ps();
-      for (int64_t p = 0; p < npair; ++p) {
-        const __m512bh k16 = (__m512bh)_mm512_loadu_si512(kg + p * 32);
-        for (int r = 0; r < 8; ++r) a[r] = _mm512_dpbf16_ps(a[r], bcast_pair(qb + (r0 + r) * hd2 + 2 * p), k16);
+  static_assert(KT == 32, "two 16-key groups per tile");
+  // 8 rows x both key groups: 16 independent accumulators (vdpbf16ps latency hidden), each query pair broadcast
+  // once for both groups
+  for (int r0 = 0; r0 < nrows; r0 += 8) {
+    const uint16_t* kg0 = kp + (kt * 2 * npair) * 32;
+    const uint16_t* kg1 = kg0 + npair * 32;
+    __m512 a0[8], a1[8];
+    for (int r = 0; r < 8; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < npair; ++p) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kg0 + p * 32), k1 = (__m512bh)_mm512_loadu_si512(kg1 + p * 32);
+      for (int r = 0; r < 8; ++r) {
+        const __m512bh qv = bcast_pair(qb + (r0 + r) * hd2 + 2 * p);
+        a0[r] = _mm512_dpbf16_ps(a0[r], qv, k0);
+        a1[r] = _mm512_dpbf16_ps(a1[r], qv, k1);
       }
-      const __m512 sc = _mm512_set1_ps(scale);
-      for (int r = 0; r < 8; ++r) _mm512_storeu_ps(Sc + (r0 + r) * KT + g * 16, _mm512_mul_ps(a[r], sc));
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int r = 0; r < 8; ++r) {
+      _mm512_storeu_ps(Sc + (r0 + r) * KT, _mm512_mul_ps(a0[r], sc));
+      _mm512_storeu_ps(Sc + (r0 + r) * KT + 16, _mm512_mul_ps(a1[r], sc));
     }
   }
 }
 
+// nrows a multiple of 4; rows past the tile's real ones have P = 0
 void pv_bf16(const uint16_t* P, const uint16_t* vp, int64_t hdp, int64_t kt, int nrows, float* O) {
-  for (int r0 = 0; r0 < nrows; r0 += 4) {
+  int r0 = 0;
+  // 8 rows x 32 d: 16 independent accumulators; per accumulator the same sum in the same order as below
+  for (; r0 + 8 <= nrows && hdp % 32 == 0; r0 += 8) {
+    for (int64_t e = 0; e < hdp; e += 32) {
+      __m512 a0[8], a1[8];
+      for (int i = 0; i < 8; ++i) {
+        a0[i] = _mm512_loadu_ps(O + (r0 + i) * hdp + e);
+        a1[i] = _mm512_loadu_ps(O + (r0 + i) * hdp + e + 16);
+      }
+      const uint16_t* vb = vp + ((kt * KT / 2) * hdp + e) * 2;
+      for (int jp = 0; jp < KT / 2; ++jp) {
+        const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vb + jp * hdp * 2);
+        const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vb + jp * hdp * 2 + 32);
+        for (int i = 0; i < 8; ++i) {
+          const __m512bh pv = bcast_pair(P + (r0 + i) * KT + 2 * jp);
+          a0[i] = _mm512_dpbf16_ps(a0[i], pv, v0);
+          a1[i] = _mm512_dpbf16_ps(a1[i], pv, v1);
+        }
+      }
+      for (int i = 0; i < 8; ++i) {
+        _mm512_storeu_ps(O + (r0 + i) * hdp + e, a0[i]);
+        _mm512_storeu_ps(O + (r0 + i) * hdp + e + 16, a1[i]);
+      }
+    }
+  }
+  for (; r0 < nrows; r0 += 4) {
     for (int64_t e = 0; e < hdp; e += 16) {
       __m512 a[4];
       for (int i = 0; i < 4; ++i) a[i] = _mm512_loadu_ps(O + (r0 + i) * hdp + e);
@@ -376,14 +413,17 @@ bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t pos_first = p0 + I.t0, pos_last = p0 + I.t0 + nq - 1;
+      const int rows8 = (nq + 7) / 8 * 8;  // score rows computed (zero queries past nq; their rows are not read)
       const int64_t kmin = window > 0 ? std::max<int64_t>(0, pos_first - window + 1) : 0;
       for (int64_t kt = kmin / KT; kt * KT <= pos_last; ++kt) {
 #ifdef TMP_BF16
         if (G.bf16)
-          scores_bf16(qb.data(), reinterpret_cast<const uint16_t*>(kbuf.data()) + koff[w], G.hd2, kt, fscale, Sc.data());
+          scores_bf16(qb.data(), reinterpret_cast<const uint16_t*>(kbuf.data()) + koff[w], G.hd2, kt, fscale, Sc.data(),
+                      rows8);
         else
 #endif
-          scores_f32(qf.data(), reinterpret_cast<const float*>(kbuf.data()) + koff[w], G.hd, kt, fscale, Sc.data());
+          scores_f32(qf.data(), reinterpret_cast<const float*>(kbuf.data()) + koff[w], G.hd, kt, fscale, Sc.data(),
+                     rows8);
         // online softmax per row; masked keys (after the row's position, before its window, past ctx) get p = 0
         for (int r = 0; r < nq; ++r) {
           const int64_t pos = p0 + I.t0 + r;
@@ -397,6 +437,36 @@ bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
             std::fill(Pb.begin() + r * KT, Pb.begin() + (r + 1) * KT, 0);
             continue;
           }
+#ifdef TMP_BF16
+          static_assert(KT == 32, "the AVX-512 row below holds a tile's 32 keys in two registers");
+          {  // AVX-512: the row's 32 keys in two registers, masked by the valid range
+            const uint32_t nv = static_cast<uint32_t>(jhi - jlo + 1);
+            const uint32_t bits = (nv == 32 ? 0xffffffffu : ((1u << nv) - 1u)) << jlo;
+            const __mmask16 k0 = static_cast<__mmask16>(bits & 0xffffu), k1 = static_cast<__mmask16>(bits >> 16);
+            const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+            const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+            const float mx = _mm512_reduce_max_ps(
+                _mm512_max_ps(_mm512_mask_mov_ps(ninf, k0, s0), _mm512_mask_mov_ps(ninf, k1, s1)));
+            const float mnew = std::max(m[r], mx);
+            const float alpha = std::exp(m[r] - mnew);  // m = -inf at first: alpha = 0
+            m[r] = mnew;
+            const __m512 mn = _mm512_set1_ps(mnew);
+            const __m512 e0 = _mm512_maskz_mov_ps(k0, exp512(_mm512_sub_ps(s0, mn)));
+            const __m512 e1 = _mm512_maskz_mov_ps(k1, exp512(_mm512_sub_ps(s1, mn)));
+            if (G.bf16)
+              _mm512_storeu_si512(Pb.data() + r * KT, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            else {
+              _mm512_storeu_ps(pf, e0);
+              _mm512_storeu_ps(pf + 16, e1);
+            }
+            l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+            if (alpha != 1.f) {
+              float* o = O.data() + r * G.hdp;
+              for (int64_t d = 0; d < G.hdp; ++d) o[d] *= alpha;
+            }
+            continue;
+          }
+#endif
           float mx = -std::numeric_limits<float>::infinity();
           if (jlo == 0 && jhi == KT - 1) {
             __m256 m8 = _mm256_max_ps(_mm256_max_ps(_mm256_loadu_ps(s), _mm256_loadu_ps(s + 8)),
