@@ -29,7 +29,7 @@ ENDPOINTS = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
 TRANSPORT = "grpcio"
 
 
-@pytest.fixture(autouse=True, params=["grpcio", "h2"])
+@pytest.fixture(autouse=True, params=["grpcio", "h2", "frames"])
 def transport(request):
     """Every test against both EPP transports (grpc.aio, and tokenmill's own HTTP/2 server): the client is
     grpc.aio either way, an independent implementation that checks the h2 server's framing."""
@@ -107,7 +107,7 @@ def picked(resp: pb.ProcessingResponse) -> str:
 
 async def with_epp(router, fn):
     server = EppServer(router, "127.0.0.1", 0, TRANSPORT)
-    assert type(server).__name__ == {"grpcio": "GrpcioEppServer", "h2": "H2EppServer"}[TRANSPORT]
+    assert type(server).__name__ == {"grpcio": "GrpcioEppServer", "h2": "H2EppServer", "frames": "H2EppServer"}[TRANSPORT]
     await server.start(ready=True)
     envoy = Envoy(server.port)
     try:
