@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_common import wait_http  # noqa: E402
 
 PY = sys.executable
-PICKERS = ("picker", "picker-uvloop", "picker-h2", "picker-h2-uvloop", "baseline", "baseline-h2-uvloop")
+PICKERS = ("picker", "picker-uvloop", "picker-h2", "picker-h2-uvloop", "picker-frames", "picker-frames-uvloop",
+           "baseline", "baseline-h2-uvloop")
 SERVERS = (*PICKERS, "echo-h2", "echo-aio", "echo-aio-uvloop", "echo-aio-rw", "echo-aio-opts", "echo-aio-x2", "echo-sync")
 # the ext_proc message patterns a gateway can be configured for (processing_mode), per request:
 #   full          request headers + body (FULL_DUPLEX_STREAMED), response headers, every response body chunk
@@ -628,6 +629,14 @@ def set_affinity(pid: int, cpus: set[int]) -> None:
             pass
 
 
+def transport_of(server: str) -> str:
+    """The --epp-transport of a picker row: picker-frames* (our own HTTP/2 framing), *-h2* (the h2 library),
+    else grpcio."""
+    if server.startswith("picker-frames"):
+        return "frames"
+    return "h2" if server.startswith(("picker-h2", "baseline-h2")) else "grpcio"
+
+
 def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, pattern: str = "full",
             placement: str = "shared", client: str = "grpc") -> tuple:
     """One row: start the server (the picker CLI, or an echo floor), drive it, stop it. `placement` pinned:
@@ -643,7 +652,7 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
                "--admission", mode, "--log-level", "warning"]
         if server != "baseline":  # (the baseline predates --event-loop: asyncio, and --epp-transport: grpcio)
             cmd += ["--event-loop", "uvloop" if server.endswith("-uvloop") else "asyncio",
-                    "--epp-transport", "h2" if server.startswith(("picker-h2", "baseline-h2")) else "grpcio"]
+                    "--epp-transport", transport_of(server)]
         for p in ports:
             cmd += ["--worker", f"tokenmill=http://127.0.0.1:{p}"]
     else:
@@ -718,7 +727,7 @@ def verify_client(n: int, ports: list[int], args) -> int:
     seen = {}
     try:
         wait_http(f"http://127.0.0.1:{ports[0]}/health")
-        for transport in ("grpcio", "h2"):
+        for transport in ("grpcio", "h2", "frames"):
             for client in ("grpc", "raw"):
                 hport, eport = free_port(), free_port()
                 cmd = [PY, "-m", "tokenmill", "route", "--port", str(hport), "--epp-port", str(eport), "--admission",

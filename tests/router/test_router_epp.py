@@ -29,7 +29,7 @@ ENDPOINTS = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
 TRANSPORT = "grpcio"
 
 
-@pytest.fixture(autouse=True, params=["grpcio", "h2"])
+@pytest.fixture(autouse=True, params=["grpcio", "h2", "frames"])
 def transport(request):
     """Every test against both EPP transports (grpc.aio, and tokenmill's own HTTP/2 server): the client is
     grpc.aio either way, an independent implementation that checks the h2 server's framing."""
@@ -43,9 +43,9 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def make_router(healthy=True, **overrides) -> Router:
+def make_router(healthy=True, clock=None, **overrides) -> Router:
     cfg = RouterConfig(workers=tuple(WorkerSpec("http://" + e) for e in ENDPOINTS), **overrides)
-    router = Router(cfg)
+    router = Router(cfg) if clock is None else Router(cfg, clock=clock)
     for w in router.pool:
         w.healthy = healthy
     return router
@@ -107,7 +107,7 @@ def picked(resp: pb.ProcessingResponse) -> str:
 
 async def with_epp(router, fn):
     server = EppServer(router, "127.0.0.1", 0, TRANSPORT)
-    assert type(server).__name__ == {"grpcio": "GrpcioEppServer", "h2": "H2EppServer"}[TRANSPORT]
+    assert type(server).__name__ == {"grpcio": "GrpcioEppServer", "h2": "H2EppServer", "frames": "H2EppServer"}[TRANSPORT]
     await server.start(ready=True)
     envoy = Envoy(server.port)
     try:
@@ -180,22 +180,29 @@ def test_full_duplex_pick_is_a_routable_endpoint_and_a_shared_prefix_sticks_to_o
 
 def test_the_epp_picks_what_the_proxys_router_picks_for_the_same_traffic():
     """Same requests, same order, admission on: the EPP's picks equal a twin Router's own `acquire` (what the
-    HTTP proxy calls), with the leading admission overriding the policy while rates are unlearned."""
+    HTTP proxy calls), with the leading admission overriding the policy while rates are unlearned.
+
+    Both routers read one virtual clock, advanced by the test between requests (on real time, a slow machine
+    moved the twin's decisions later than the EPP's, and its load view with them); the requests stream
+    ("stream": true, response bodies on), so the EPP ends no prefill on a real-time timer of its own while
+    the twin, which has no exchange, would not."""
     from tokenmill.router.prompt import prompt_key
 
     prompts = [("You are a helpful assistant. " * 40 if i % 3 else "Translate this. " * 30) + f"q{i}"
                for i in range(9)]
-    router, twin = make_router(), make_router()
+    now = [1000.0]
+    router, twin = make_router(clock=lambda: now[0]), make_router(clock=lambda: now[0])
 
     async def main(envoy, server):
         got, want, calls = [], [], []
         for p in prompts:
-            call, ep = await pick_full_duplex(envoy, {"prompt": p, "max_tokens": 8})
+            call, ep = await pick_full_duplex(envoy, {"prompt": p, "max_tokens": 8, "stream": True})
             got.append(ep)
             calls.append(call)
             ctx = twin.new_request(prompt_key({"prompt": p}, False, twin.cfg.prefix_index),
                                    twin.classes["interactive"], 8)
             want.append((await twin.acquire(ctx)).worker.removeprefix("http://"))
+            now[0] += 0.005
         assert got == want and len(set(got)) > 1
         for call in calls:
             await finish(call, envoy)

@@ -16,10 +16,23 @@ from test_router_epp import ENDPOINTS, Envoy, make_router, picked
 
 from tokenmill.router.admission import AdmissionConfig
 from tokenmill.router.epp import EppServer
-from tokenmill.router.grpc_h2 import GrpcH2Server, Method
+from tokenmill.router.grpc_frames import FramesProtocol
+from tokenmill.router.grpc_h2 import GrpcH2Protocol, GrpcH2Server, Method
 
 ECHO = "/test.Echo/Echo"
 SLOW = "/test.Echo/SlowReader"
+FRAMING = "h2"
+PROTOCOLS = {"h2": GrpcH2Protocol, "frames": FramesProtocol}
+
+
+@pytest.fixture(autouse=True, params=["h2", "frames"])
+def framing(request):
+    """Every test against both HTTP/2 framings of the server: the h2 library's state machine (the reference),
+    and grpc_frames.py's own."""
+    global FRAMING
+    FRAMING = request.param
+    yield request.param
+    FRAMING = "h2"
 
 
 def run(coro):
@@ -46,7 +59,7 @@ def echo_methods(read_delay_s=0.0):
 
 
 async def serving(methods, window):
-    server = GrpcH2Server(methods, window=window)
+    server = GrpcH2Server(methods, window=window, protocol=PROTOCOLS[FRAMING])
     port = await server.start("127.0.0.1", 0)
     return server, port
 
@@ -128,7 +141,7 @@ def test_an_epp_request_with_a_large_body_is_picked_and_passed_back_whole():
     router = make_router(admission=AdmissionConfig(mode="off"))
 
     async def main():
-        server = EppServer(router, "127.0.0.1", 0, "h2")
+        server = EppServer(router, "127.0.0.1", 0, FRAMING)
         await server.start(ready=True)
         envoy = Envoy(server.port)
         envoy.channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}",
@@ -163,7 +176,7 @@ def test_many_concurrent_streams_on_one_connection():
     router = make_router(admission=AdmissionConfig(mode="off"))
 
     async def main():
-        server = EppServer(router, "127.0.0.1", 0, "h2")
+        server = EppServer(router, "127.0.0.1", 0, FRAMING)
         await server.start(ready=True)
         envoy = Envoy(server.port)
         try:
@@ -179,7 +192,12 @@ def test_many_concurrent_streams_on_one_connection():
             assert {ep for _, ep in calls} <= set(ENDPOINTS)
             assert router.in_flight == 400
             (conn,) = server.server.connections
-            assert conn.h2.open_inbound_streams == len(conn.calls) == 400
+            assert type(conn) is PROTOCOLS[FRAMING]
+            assert len(conn.calls) == 400
+            if FRAMING == "h2":
+                assert conn.h2.open_inbound_streams == 400
+            else:  # our own framing keeps a send window per live stream, and only those
+                assert set(conn.stream_windows) == set(conn.calls)
             # a quarter cancelled, a quarter finished: the server forgets each at once, and so does h2's
             # state machine (it holds only the live streams; the closed ones it only remembers how they closed)
             for call, _ in calls[:100]:
@@ -193,8 +211,11 @@ def test_many_concurrent_streams_on_one_connection():
                     break
                 await asyncio.sleep(0.01)
             assert len(conn.calls) == 200 and router.in_flight == 200
-            assert set(conn.h2.streams) == set(conn.calls) and conn.h2.open_inbound_streams == 200
-            assert len(conn.h2._closed_streams) >= 200  # how each closed is remembered (late frames)
+            if FRAMING == "h2":
+                assert set(conn.h2.streams) == set(conn.calls) and conn.h2.open_inbound_streams == 200
+                assert len(conn.h2._closed_streams) >= 200  # how each closed is remembered (late frames)
+            else:
+                assert set(conn.stream_windows) == set(conn.calls)
             call, ep = await one(1000)
             assert ep in ENDPOINTS and len(conn.calls) == 201
             await call.done_writing()
@@ -205,7 +226,11 @@ def test_many_concurrent_streams_on_one_connection():
                 assert await call.read() is grpc.aio.EOF
             await asyncio.sleep(0.05)
             assert router.in_flight == 0
-            assert not conn.calls and not conn.h2.streams and conn.h2.open_inbound_streams == 0
+            assert not conn.calls
+            if FRAMING == "h2":
+                assert not conn.h2.streams and conn.h2.open_inbound_streams == 0
+            else:
+                assert not conn.stream_windows and not conn.stream_owed
         finally:
             await envoy.channel.close()
             await server.stop(0)
@@ -219,7 +244,7 @@ def test_a_client_cancel_mid_stream_releases_the_load_and_the_connection_serves_
     router = make_router(admission=AdmissionConfig(mode="off"))
 
     async def main():
-        server = EppServer(router, "127.0.0.1", 0, "h2")
+        server = EppServer(router, "127.0.0.1", 0, FRAMING)
         await server.start(ready=True)
         envoy = Envoy(server.port)
         try:
@@ -264,7 +289,7 @@ def test_shutdown_sends_goaway_lets_the_stream_in_flight_finish_then_closes():
     router = make_router(admission=AdmissionConfig(mode="off"))
 
     async def main():
-        server = EppServer(router, "127.0.0.1", 0, "h2")
+        server = EppServer(router, "127.0.0.1", 0, FRAMING)
         await server.start(ready=True)
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
@@ -340,7 +365,7 @@ def test_an_unknown_method_is_unimplemented_and_a_port_in_use_is_an_error():
     router = make_router()
 
     async def main():
-        server = EppServer(router, "127.0.0.1", 0, "h2")
+        server = EppServer(router, "127.0.0.1", 0, FRAMING)
         await server.start(ready=True)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
@@ -352,7 +377,7 @@ def test_an_unknown_method_is_unimplemented_and_a_port_in_use_is_an_error():
                 s.bind(("127.0.0.1", 0))
                 s.listen()
                 with pytest.raises(OSError, match="for the EPP"):
-                    EppServer(router, "127.0.0.1", s.getsockname()[1], "h2")
+                    EppServer(router, "127.0.0.1", s.getsockname()[1], FRAMING)
         finally:
             await server.stop(0)
 
@@ -365,7 +390,7 @@ def test_health_watch_streams_the_status_and_its_changes():
     router = make_router()
 
     async def main():
-        server = EppServer(router, "127.0.0.1", 0, "h2")
+        server = EppServer(router, "127.0.0.1", 0, FRAMING)
         await server.start(ready=True)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:

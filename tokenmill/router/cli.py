@@ -29,8 +29,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dns-interval", type=float, metavar="SECONDS", help="re-resolve --worker-dns this often (default 5)")
     p.add_argument("--epp-port", type=int, metavar="PORT",
                    help="also serve Envoy ext_proc (a Gateway API Inference Extension endpoint picker) on this port")
-    p.add_argument("--epp-transport", choices=("h2", "grpcio"), help="the EPP's gRPC server: h2 (tokenmill's own "
-                   "HTTP/2 server on h2, the default: about half the CPU per request) or grpcio (grpc.aio)")
+    p.add_argument("--epp-transport", choices=("frames", "h2", "grpcio"), help="the EPP's gRPC server: frames "
+                   "(tokenmill's own gRPC server with its own HTTP/2 framing, the default: the least CPU per request), "
+                   "h2 (the same server on the h2 library) or grpcio (grpc.aio)")
     p.add_argument("--policy", choices=sorted(POLICIES), help="routing policy (default prefix-load)")
     p.add_argument("--admission", choices=MODES, help="admission control (default leading)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
@@ -77,8 +78,8 @@ def build_config(args: argparse.Namespace):
             import grpc  # noqa: F401
             from envoy.service.ext_proc.v3 import external_processor_pb2  # noqa: F401
             from grpc_health.v1 import health  # noqa: F401
-            if cfg.epp_transport == "h2":
-                import h2  # noqa: F401
+            if cfg.epp_transport in ("h2", "frames"):
+                import h2  # noqa: F401  (grpc_h2 is on it; frames uses its hpack)
         except ImportError as e:
             raise CLIError(f"--epp-port needs gRPC and Envoy's protos ({e.name} is missing): "
                            "pip install 'tokenmill[k8s]'") from None

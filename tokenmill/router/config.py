@@ -53,7 +53,8 @@ class RouterConfig:
     worker_dns: tuple[DnsTarget, ...] = ()  # live discovery: every A/AAAA record of NAME is a worker at PORT
     dns_interval_s: float = 5.0  # re-resolve worker_dns this often (discovery.py)
     epp_port: int | None = None  # also serve Envoy ext_proc (Gateway API Inference Extension EPP) here, on `host`
-    epp_transport: str = "h2"  # the EPP's gRPC server: h2 (epp_h2.py) or grpcio (grpc.aio, the reference)
+    epp_transport: str = "frames"  # the EPP's gRPC server: frames (epp_h2.py on grpc_frames.py), h2 (epp_h2.py on
+    # the h2 library) or grpcio (grpc.aio, the reference)
     # what a decision reads: "table" (columns kept up to date per changed worker + prefix holders,
     # router/worker_table.py, table_decisions.py; same decisions) or "full" (a WorkerView of every worker)
     snapshot: str = "table"
@@ -78,8 +79,8 @@ class RouterConfig:
             raise ValueError(f"epp_port must be in 0..65535, got {self.epp_port}")
         if self.snapshot not in ("table", "full"):
             raise ValueError(f"unknown snapshot {self.snapshot!r}; choose from table, full")
-        if self.epp_transport not in ("grpcio", "h2"):
-            raise ValueError(f"unknown epp_transport {self.epp_transport!r}; choose from grpcio, h2")
+        if self.epp_transport not in ("frames", "h2", "grpcio"):
+            raise ValueError(f"unknown epp_transport {self.epp_transport!r}; choose from frames, h2, grpcio")
         for name in ("dns_interval_s", "health_interval_s", "health_timeout_s", "connect_timeout_s", "first_token_timeout_s",
                      "read_timeout_s"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):

@@ -405,20 +405,20 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
             ex.close()
 
 
-TRANSPORTS = ("grpcio", "h2")
+TRANSPORTS = ("frames", "h2", "grpcio")
 
 
 def EppServer(router: Router, host: str, port: int, transport: str = "grpcio"):
     """The EPP's gRPC server (ext_proc + health) on the router's event loop, listening on host:port (0: any
-    free port, then `.port`). `transport`: grpcio (grpc.aio, the reference) or h2 (epp_h2.py: the same
-    messages over tokenmill's own HTTP/2 server, ~half the CPU per request). Both have start(ready),
-    set_ready(ready), stop(grace_s)."""
+    free port, then `.port`). `transport`: grpcio (grpc.aio, the reference), h2 (epp_h2.py: the same
+    messages over tokenmill's own gRPC server on the `h2` library) or frames (the same server with its
+    HTTP/2 framed by grpc_frames.py, the cheapest). All have start(ready), set_ready(ready), stop(grace_s)."""
     if transport == "grpcio":
         return GrpcioEppServer(router, host, port)
-    if transport == "h2":
+    if transport in ("h2", "frames"):
         from tokenmill.router.epp_h2 import H2EppServer
 
-        return H2EppServer(router, host, port)
+        return H2EppServer(router, host, port, transport)
     raise ValueError(f"unknown EPP transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
 
 

@@ -1,4 +1,5 @@
-"""The Endpoint Picker on tokenmill's own HTTP/2 gRPC server (grpc_h2.py): `--epp-transport h2`.
+"""The Endpoint Picker on tokenmill's own HTTP/2 gRPC server (grpc_h2.py): `--epp-transport frames` (the
+default: HTTP/2 framed by grpc_frames.py) or `--epp-transport h2` (framed by the `h2` library, the reference).
 
 The same ext_proc exchange as the grpc.aio picker (epp.py: `_Exchange`, the same pure policy code, the same
 metrics), the same messages (Envoy's maintained protos from xds-protos, parsed and serialized by protobuf),
@@ -71,7 +72,13 @@ class H2EppServer:
     """ext_proc + health over grpc_h2, on the router's event loop. The listening socket is bound here (so
     `port` is known, and a port in use fails at once, as grpc.aio's add_insecure_port does)."""
 
-    def __init__(self, router: Router, host: str, port: int):
+    def __init__(self, router: Router, host: str, port: int, framing: str = "frames"):
+        if framing == "frames":
+            from tokenmill.router.grpc_frames import FramesProtocol as protocol
+        elif framing == "h2":
+            from tokenmill.router.grpc_h2 import GrpcH2Protocol as protocol
+        else:
+            raise ValueError(f"unknown HTTP/2 framing {framing!r}; choose from frames, h2")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -89,7 +96,7 @@ class H2EppServer:
         self.status: dict[str, int] = {}
         self.watchers: set[asyncio.Event] = set()
         self.server = GrpcH2Server({PROCESS: Method("sink", self.process), HEALTH_CHECK: Method("unary", self.check),
-                                    HEALTH_WATCH: Method("stream", self.watch)})
+                                    HEALTH_WATCH: Method("stream", self.watch)}, protocol=protocol)
 
     async def start(self, ready: bool) -> None:
         await self.set_health("liveness", SERVING)

@@ -181,7 +181,65 @@ class _H2Connection(h2.connection.H2Connection):
             self._closed_streams[sid] = stream.closed_by
 
 
-class GrpcH2Protocol(asyncio.Protocol):
+class CallsProtocol(asyncio.Protocol):
+    """What both HTTP/2 connections (GrpcH2Protocol here, on h2; grpc_frames.FramesProtocol, our own framing)
+    do with a call once its frames are read: hand a "sink" its messages, run a "stream"/"unary" handler's task.
+    A subclass has `calls`, `loop`, `_finish_now(call, status, message)` and `consumed(call)`."""
+
+    def _deliver(self, call: Call) -> None:
+        """A "sink" call: hand it every whole message received, then the end of the client's side."""
+        sink = call.sink
+        try:
+            while call.messages and not call.closed:
+                sink.message(call.messages.popleft())
+            if call.ended and not call.told_end and not call.closed:
+                call.told_end = True
+                sink.end()
+        except CallClosed:
+            pass
+        except _Refuse as e:
+            self._finish_now(call, e.status, str(e))
+        except Exception as e:  # a handler bug: the call ends with UNKNOWN, the server goes on
+            log.exception("gRPC handler %s failed", call.path)
+            self._finish_now(call, UNKNOWN, f"{type(e).__name__}: {e}")
+        if not call.messages:
+            self.consumed(call)
+
+    async def _run(self, call: Call, method: Method) -> None:
+        status, message = OK, ""
+        try:
+            if method.kind == "unary":
+                request = await call.read()
+                if request is None:
+                    raise _Refuse(INTERNAL, "a unary call without a request message")
+                response = await method.handler(request)
+                await call.write(response)
+            else:
+                await method.handler(call)
+        except asyncio.CancelledError:  # the client reset the stream, or the server is stopping
+            if call.closed:
+                return
+            status, message = CANCELLED, "cancelled"
+        except CallClosed:
+            return
+        except _Refuse as e:
+            status, message = e.status, str(e)
+        except Exception as e:  # a handler bug: the call ends with UNKNOWN, the server goes on
+            log.exception("gRPC handler %s failed", call.path)
+            status, message = UNKNOWN, f"{type(e).__name__}: {e}"
+        self._finish_now(call, status, message)
+
+    @staticmethod
+    def _sink_closed(call: Call) -> None:
+        sink, call.sink = call.sink, None
+        if sink is not None:
+            try:
+                sink.closed()
+            except Exception:
+                log.exception("gRPC handler %s failed while closing", call.path)
+
+
+class GrpcH2Protocol(CallsProtocol):
     """One HTTP/2 connection from a gRPC client."""
 
     def __init__(self, server: "GrpcH2Server"):
@@ -317,25 +375,6 @@ class GrpcH2Protocol(asyncio.Protocol):
                 if call.sink is not None:
                     self._deliver(call)
 
-    def _deliver(self, call: Call) -> None:
-        """A "sink" call: hand it every whole message received, then the end of the client's side."""
-        sink = call.sink
-        try:
-            while call.messages and not call.closed:
-                sink.message(call.messages.popleft())
-            if call.ended and not call.told_end and not call.closed:
-                call.told_end = True
-                sink.end()
-        except CallClosed:
-            pass
-        except _Refuse as e:
-            self._finish_now(call, e.status, str(e))
-        except Exception as e:  # a handler bug: the call ends with UNKNOWN, the server goes on
-            log.exception("gRPC handler %s failed", call.path)
-            self._finish_now(call, UNKNOWN, f"{type(e).__name__}: {e}")
-        if not call.messages:
-            self.consumed(call)
-
     def _request(self, sid: int, headers: dict[bytes, bytes], ended: bool) -> None:
         path = headers.get(b":path", b"").decode("latin-1")
         if self.closing:  # after our GOAWAY: refused, the client may retry elsewhere
@@ -360,30 +399,6 @@ class GrpcH2Protocol(asyncio.Protocol):
                 self._deliver(call)
         else:
             call.task = self.loop.create_task(self._run(call, method))
-
-    async def _run(self, call: Call, method: Method) -> None:
-        status, message = OK, ""
-        try:
-            if method.kind == "unary":
-                request = await call.read()
-                if request is None:
-                    raise _Refuse(INTERNAL, "a unary call without a request message")
-                response = await method.handler(request)
-                await call.write(response)
-            else:
-                await method.handler(call)
-        except asyncio.CancelledError:  # the client reset the stream, or the server is stopping
-            if call.closed:
-                return
-            status, message = CANCELLED, "cancelled"
-        except CallClosed:
-            return
-        except _Refuse as e:
-            status, message = e.status, str(e)
-        except Exception as e:  # a handler bug: the call ends with UNKNOWN, the server goes on
-            log.exception("gRPC handler %s failed", call.path)
-            status, message = UNKNOWN, f"{type(e).__name__}: {e}"
-        self._finish_now(call, status, message)
 
     # -- sending
     def send_now(self, call: Call, message: bytes) -> bool:
@@ -460,15 +475,6 @@ class GrpcH2Protocol(asyncio.Protocol):
         self.flush()
         self._sink_closed(call)
 
-    @staticmethod
-    def _sink_closed(call: Call) -> None:
-        sink, call.sink = call.sink, None
-        if sink is not None:
-            try:
-                sink.closed()
-            except Exception:
-                log.exception("gRPC handler %s failed while closing", call.path)
-
     def _abort(self, call: Call) -> None:
         """The client reset the stream (or the connection is gone): the handler's task is cancelled."""
         if call.closed:
@@ -508,23 +514,24 @@ def _percent_encode(message: str) -> bytes:
 class GrpcH2Server:
     """Serves `methods` ({"/pkg.Service/Method": Method}) on host:port with the running loop."""
 
-    def __init__(self, methods: dict[str, Method], window: int = WINDOW):
+    def __init__(self, methods: dict[str, Method], window: int = WINDOW, protocol: type | None = None):
         if not 1 <= window < 2**31:
             raise ValueError(f"the HTTP/2 window must be in 1..2^31-1, got {window}")
         self.methods = methods
         self.window = window  # inbound, per stream and per connection
         self.connections: set[GrpcH2Protocol] = set()
         self.server: asyncio.base_events.Server | None = None
+        self.protocol = protocol or GrpcH2Protocol  # one connection: h2's state machine, or grpc_frames'
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: GrpcH2Protocol(self), host, port, reuse_address=True)
+        self.server = await loop.create_server(lambda: self.protocol(self), host, port, reuse_address=True)
         return self.server.sockets[0].getsockname()[1]
 
     async def start_on(self, sock) -> None:
         """Serve on a socket already bound and listening."""
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: GrpcH2Protocol(self), sock=sock)
+        self.server = await loop.create_server(lambda: self.protocol(self), sock=sock)
 
     async def stop(self, grace_s: float) -> None:
         """Stop listening, GOAWAY every connection, wait up to grace_s for the calls in flight, then close."""
