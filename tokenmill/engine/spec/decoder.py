@@ -29,7 +29,6 @@ from tokenmill.engine.spec.policy import SpecPolicyConfig, SpecSnapshot, StepCos
 from tokenmill.engine.spec.stats import Acceptance, SpecStats
 from tokenmill.engine.spec.step_cost import SpecStepCost, StepCostConfig
 from tokenmill.engine.spec.verify import verify_greedy, verify_sampled
-from tokenmill.engine.step_budget import StepBudget
 
 SHORT_CATCHUP = 16  # draft tokens a catch-up may hold and still be a steady-state step (the decode-kernel path)
 
@@ -60,9 +59,10 @@ class SpecDecoder:
         # cannot keep speculation below off (spec/guard.py); None for a fixed k
         self.guard = GoodputGuard(GuardConfig(k_max=max_k)) if self.auto else None
         self._guard_step: tuple[int, int] | None = None  # this decode step's (decoding seqs, cap or fixed k)
-        # seconds per prefill token of the target, fitted on steps without speculative work (k = 0): a prefill
-        # chunk's share of a mixed step, taken out before the guard weighs the step's rate
-        self.prefill_cost = StepBudget()
+        # seconds per prefill token of the target (an EMA over k = 0 steps with a prefill chunk: their excess over
+        # the guard's measured decode-only step at that batch size): a chunk's share of a mixed step, taken out
+        # before the guard weighs the step's rate; None until measured (mixed steps are not weighed until then)
+        self.prefill_s_per_token: float | None = None
         self._step_accepted = 0  # drafts kept in this step (tokens emitted = decoding seqs + this)
         # diagnostics: TOKENMILL_SPEC_TRACE=FILE ({pid}: the process id) appends one JSON line per step (benchmarks/spec_trace.py reads it)
         path = os.environ.get("TOKENMILL_SPEC_TRACE")
@@ -163,7 +163,7 @@ class SpecDecoder:
         draft catch-up (a request's first proposal: the draft's prefill of its context). The guard records
         every step whose planned decodes all ran, under its cap: long catch-ups included (while a cap is on,
         every new request pays one: a cost of the cap, not noise) and steps with a prefill chunk, less the
-        chunk's share (seconds per prefill token fitted on k = 0 steps)."""
+        chunk's share (seconds per prefill token measured on k = 0 steps)."""
         gs = self._guard_step
         if self._trace is not None:
             self._write_trace(sched)
@@ -178,13 +178,21 @@ class SpecDecoder:
                 prefill += len(s.token_ids)
         if decodes != gs[0]:  # not every planned decode ran (a preemption): not this cap's step
             return
-        if gs[1] == 0:  # no speculative work in the step: the target's own cost of a prefill token
-            self.prefill_cost.observe(decodes, prefill, seconds)
-        if self.guard is not None:
-            # a prefill chunk's share, estimated from steps without speculation, is not the cap's cost; what
-            # speculation adds to such a step (the draft's catch-up of a new request, verify rows) is
-            spec_s = seconds - self.prefill_cost.coef[2] * prefill if prefill else seconds
-            self.guard.observe(gs[0], gs[1], gs[0] + self._step_accepted, max(spec_s, 0.25 * seconds))
+        guard = self.guard
+        if guard is not None:
+            if not prefill:
+                guard.observe(gs[0], gs[1], gs[0] + self._step_accepted, seconds)
+            elif gs[1] == 0:  # no speculative work: the excess over a decode-only step is the target's prefill
+                base = guard.off_step_s(gs[0])
+                if base is not None:
+                    x = max(0.0, seconds - base) / prefill
+                    p = self.prefill_s_per_token
+                    self.prefill_s_per_token = x if p is None else 0.9 * p + 0.1 * x
+            if prefill and self.prefill_s_per_token is not None:
+                # the chunk's share is not the cap's cost; what speculation adds to such a step (a new request's
+                # draft catch-up, verify rows) is
+                spec_s = seconds - self.prefill_s_per_token * prefill
+                guard.observe(gs[0], gs[1], gs[0] + self._step_accepted, max(spec_s, 0.25 * seconds))
         if self._shape is not None and not prefill:
             self.cost.observe(*self._shape, seconds)
 

@@ -221,6 +221,14 @@ class GoodputGuard:
         arm.seconds = d * arm.seconds + seconds
         arm.samples += 1
 
+    def off_step_s(self, n: int) -> float | None:
+        """Measured mean seconds of a step of n decoding sequences with speculation off (None: not measured)."""
+        b = self.buckets.get(bucket(n))
+        a = b.arms.get(0) if b is not None else None
+        if a is None or a.samples < 3 or a.tokens <= 0:
+            return None
+        return n * a.seconds / a.tokens  # off emits one token per sequence per step
+
     def current(self, n: int) -> int:
         b = self.buckets.get(bucket(n))
         return b.cur if b is not None else 0
