@@ -51,8 +51,6 @@ class SpecDecoder:
         self.cost = SpecStepCost(StepCostConfig(prior=PRIOR_DRAFT if proposer.has_kv else PRIOR_NGRAM),
                                  k_scale=max_k)
         self._t_plan = 0.0  # perf_counter at this step's plan()
-        self._t_end: float | None = None  # perf_counter at the previous step's observe_step()
-        self._gap = 0.0
         self._shape: tuple[int, int, int, int] | None = None  # this step's planned shape (decode-only steps)
         self.prev_k: dict[str, int] = {}
         self.drafts: dict[str, object] = {}  # request id -> this step's Draft
@@ -88,12 +86,7 @@ class SpecDecoder:
             draft_step_s=c.per_draft_step, draft_token_s=0.0, spec_seq_s=c.per_spec_seq)
 
     def plan(self, scheduler: Scheduler, token_budget: int | None) -> dict[str, int]:
-        self._t_plan = t = time.perf_counter()
-        # the time since the previous step ended: the per-step work outside plan..postprocess (output
-        # processing, the server's IPC, the caller's loop). It is part of a step's cost: a cap that emits 3
-        # tokens per step pays it a third as often per token (measured at batch 1: 0.3 ms of a 0.77 ms step
-        # of off; leaving it out priced draft k = 4 at 0.64x of off where it ran at 1.04x)
-        self._gap = t - self._t_end if self._t_end is not None else 0.0
+        self._t_plan = time.perf_counter()
         self._shape = None
         self._guard_step = None
         self._step_accepted = 0
@@ -165,23 +158,18 @@ class SpecDecoder:
                 s.num_logits = 1 + len(d.tokens)
 
     def observe_step(self, sched: SchedulerOutput) -> None:
-        """After postprocess: the whole step's time from plan() on (proposal, verify, bookkeeping) plus the gap
-        since the previous step ended (the per-step work outside the engine's step, when not an idle wait). The cost
+        """After postprocess: the whole step's time from plan() on (proposal, verify, bookkeeping). The cost
         model records decode-only steps under their planned shape, leaving out steps whose proposal was a long
         draft catch-up (a request's first proposal: the draft's prefill of its context). The guard records
         every step whose planned decodes all ran, under its cap: long catch-ups included (while a cap is on,
         every new request pays one: a cost of the cap, not noise) and steps with a prefill chunk, less the
         chunk's share (seconds per prefill token measured on k = 0 steps)."""
         gs = self._guard_step
-        end = time.perf_counter()
-        prev_end, self._t_end = self._t_end, end
         if self._trace is not None:
             self._write_trace(sched)
         if gs is None:
             return
-        seconds = end - self._t_plan
-        if prev_end is not None and self._gap <= 2 * seconds:  # a longer gap is an idle wait, not overhead
-            seconds += self._gap
+        seconds = time.perf_counter() - self._t_plan
         decodes, prefill = 0, 0
         for s in sched.seqs:
             if s.num_logits and len(s.token_ids) == s.num_logits:  # a decode: its token and its drafts
