@@ -45,11 +45,11 @@ def test_guard_turns_speculation_off_when_it_measurably_loses():
 
 def test_guard_starts_off_and_turns_on_quickly_when_the_suggested_k_pays():
     # a fresh bucket runs off; its first probe is the cost model's suggestion, the first comparison comes
-    # within ~2 min_samples steps
+    # within ~2 min_samples steps, the confirming one a probe later (a switch needs two wins in a row)
     g = GoodputGuard(GuardConfig(k_max=6, min_samples=8))
     assert g.cap(1, suggest=3) == 0
-    used = _drive(g, 1, 40, lambda c: 1000.0 if c == 0 else 1300.0)
-    assert g.current(1) == 3 and used[-1] == 3
+    used = _drive(g, 1, 64, lambda c: 1000.0 if c == 0 else 1300.0)
+    assert g.current(1) == 3 and used[-1] == 3 and g.num_switches == 1
     # a big batch probes with k = 1, later: a probe there costs in proportion to the batch
     big = GoodputGuard(GuardConfig(k_max=6))
     used = _drive(big, 64, 300, lambda c: 1000.0 if c == 0 else 600.0)
@@ -129,3 +129,110 @@ def test_auto_stops_speculating_with_a_draft_that_measurably_loses(monkeypatch):
     chosen = {k: v - chosen0.get(k, 0) for k, v in spec.stats.chosen_k.items()}
     total = sum(chosen.values())
     assert chosen.get(0, 0) / total > 0.85, chosen  # what is left are the probes (always k = 4: 0 of them)
+
+
+def test_guard_from_off_finds_a_k_that_pays_only_beyond_the_suggestion():
+    # batch 1 with a draft model (measured, session 8): k = 1 loses (the draft forward's fixed cost) and only
+    # longer drafts pay. Probing the suggestion (k = 1) and then the best measured cap alone stays off forever;
+    # the ladder (suggestion, 2, 4, k_max) measures k = 4 and switches to it.
+    g = GoodputGuard(GuardConfig(k_max=6))
+    rates = {0: 1000.0, 1: 800.0, 2: 950.0, 3: 1150.0, 4: 1300.0, 5: 1250.0, 6: 1200.0}
+    assert g.cap(1, suggest=1) == 0
+    used = _drive(g, 1, 1500, rates.__getitem__)
+    assert g.current(1) >= 4, g.rates(1)
+    tail = used[750:]
+    assert len(tail) / sum(1 / rates[c] for c in tail) >= 0.97 * rates[4]
+
+
+def test_guard_ladder_is_only_for_small_buckets():
+    # a big batch probes k = 1 only: if one draft does not pay there, longer ones do not either
+    g = GoodputGuard(GuardConfig(k_max=6))
+    used = _drive(g, 16, 3000, lambda c: 5000.0 if c == 0 else 4000.0 - 200 * c)
+    assert g.current(16) == 0 and set(used) <= {0, 1}
+
+
+def test_one_lucky_probe_window_does_not_switch():
+    # a noisy machine: the first window of k = 1 happens to run 8% faster than off, every later one 15% slower.
+    # A switch on that one window would run k = 1 until the next probe of off (and through the server, pay a
+    # draft catch-up per new request meanwhile); with two wins required the guard stays off.
+    g = GoodputGuard(GuardConfig(k_max=6))
+    seen = {"k1": 0}
+
+    def rate(c):
+        if c == 0:
+            return 1000.0
+        seen["k1"] += 1
+        return 1080.0 if seen["k1"] <= 10 else 850.0
+
+    used = _drive(g, 16, 1500, rate, noise=0.0)
+    assert g.num_switches == 0 and g.current(16) == 0
+    assert sum(1 for c in used if c) / len(used) < 0.05
+
+
+def test_a_win_confirmed_twice_switches():
+    g = GoodputGuard(GuardConfig(k_max=6))
+    _drive(g, 16, 600, lambda c: 1000.0 if c == 0 else 1200.0, noise=0.0)
+    assert g.current(16) == 1 and g.num_switches == 1
+
+
+def _closed_loop(engine, prompts, c: int, max_tokens: int) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+    """c requests in flight, a new one whenever one finishes (the server's closed-loop shape). Returns the
+    outputs and, per step, (decoding sequences that speculated, decoding sequences)."""
+    from tokenmill import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    queue = list(enumerate(prompts))
+    out, steps, inflight = {}, [], 0
+    while queue or engine.has_unfinished_requests():
+        while queue and inflight < c:
+            i, p = queue.pop(0)
+            engine.add_request(f"r{i}", p, sp)
+            inflight += 1
+        spec = engine.spec
+        chosen0 = dict(spec.stats.chosen_k) if spec is not None else {}
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = list(o.output_token_ids)
+                inflight -= 1
+        if spec is not None:
+            d = {k: v - chosen0.get(k, 0) for k, v in spec.stats.chosen_k.items()}
+            steps.append((sum(v for k, v in d.items() if k), sum(d.values())))
+    return out, steps
+
+
+@pytest.mark.slow
+def test_auto_counts_the_draft_catchup_of_new_requests(monkeypatch):
+    """Through the engine, requests arriving as others finish: every new request's first proposal is a draft
+    prefill of its prompt (made 30 ms here, a bigger draft), and the target is made slow (2 ms a step) so that
+    speculation wins on the steps *without* a catch-up. Per request it loses (a catch-up every few steps):
+    `auto` must measure that and end up running as off. The guard that left catch-up steps out (session 7)
+    kept speculating here (k > 0 on most sequence-steps)."""
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    def slowed(engine):
+        run = engine.runner.execute
+        monkeypatch.setattr(engine.runner, "execute", lambda *a, **kw: (time.sleep(0.002), run(*a, **kw))[1])
+        spec = engine.spec
+        if spec is not None:
+            prop = spec.proposer.propose
+
+            def propose(*a, **kw):
+                drafts = prop(*a, **kw)
+                if spec.proposer.last_catchup > 16:
+                    time.sleep(0.03)
+                return drafts
+            monkeypatch.setattr(spec.proposer, "propose", propose)
+        return engine
+
+    off = slowed(LLMEngine(model="demo", kv_cache_bytes="32MiB", dtype="float32"))
+    auto = slowed(LLMEngine(model="demo", kv_cache_bytes="32MiB", dtype="float32", speculative_model="demo-draft",
+                            num_speculative_tokens="auto"))
+    base = ["def f(x):\n    return", "import os\nimport sys\n", "class Stack:\n    def", "for i in range(10):\n"]
+    prompts = [off.tokenizer.encode((base[i % 4] + " " * (i % 3)) * 6)[-60:] for i in range(64)]  # > 16: a prefill
+    ref, _ = _closed_loop(off, prompts, 2, 16)
+    got, steps = _closed_loop(auto, prompts, 2, 16)
+    assert got == ref  # lossless whatever k ran (fp32: in bf16 a verify's row count can flip a near-tie)
+    tail = steps[len(steps) // 2:]
+    frac = sum(s for s, _ in tail) / max(1, sum(n for _, n in tail))
+    assert frac < 0.15, (frac, auto.spec.guard.rates(2))
+    assert auto.spec.guard.current(2) == 0

@@ -15,6 +15,8 @@ When speculation is off the engine holds no SpecDecoder and its step is unchange
 from __future__ import annotations
 
 
+import json
+import os
 import time
 
 import torch
@@ -57,7 +59,15 @@ class SpecDecoder:
         # cannot keep speculation below off (spec/guard.py); None for a fixed k
         self.guard = GoodputGuard(GuardConfig(k_max=max_k)) if self.auto else None
         self._guard_step: tuple[int, int] | None = None  # this decode step's (decoding seqs, cap or fixed k)
+        # seconds per prefill token of the target (an EMA over k = 0 steps with a prefill chunk: their excess over
+        # the guard's measured decode-only step at that batch size): a chunk's share of a mixed step, taken out
+        # before the guard weighs the step's rate; None until measured (mixed steps are not weighed until then)
+        self.prefill_s_per_token: float | None = None
         self._step_accepted = 0  # drafts kept in this step (tokens emitted = decoding seqs + this)
+        # diagnostics: TOKENMILL_SPEC_TRACE=FILE ({pid}: the process id) appends one JSON line per step (benchmarks/spec_trace.py reads it)
+        path = os.environ.get("TOKENMILL_SPEC_TRACE")
+        self._trace = open(path.replace("{pid}", str(os.getpid())), "a", buffering=1 << 16) if path else None
+        self._catchup = 0  # this step's longest draft catch-up (tokens the draft had not seen)
 
     # -- plan ------------------------------------------------------------------------------------
     def cap(self, req: Request) -> int:
@@ -80,6 +90,7 @@ class SpecDecoder:
         self._shape = None
         self._guard_step = None
         self._step_accepted = 0
+        self._catchup = 0
         decoding = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         if not decoding:
             return {}
@@ -131,11 +142,12 @@ class SpecDecoder:
         reqs = [requests[s.request_id] for s in seqs]
         ks = [s.num_spec_slots for s in seqs]
         drafts = self.proposer.propose(reqs, ks, seqs, [gens.get(r.request_id) for r in reqs])
+        self._catchup = self.proposer.last_catchup
         if self.proposer.last_catchup > SHORT_CATCHUP:  # a long catch-up (first proposal) is a prefill: not
-            self._shape = None  # this shape's steady-state cost (nor a cap's: the guard skips the step too)
-            self._guard_step = None  # A short one (a sequence back from a few k = 0
-            # steps beside others that speculated) is recorded: leaving those steps out left the mixed shapes
-            # unmeasured and priced by the prior (measured: auto at 0.79x of off at c = 16)
+            self._shape = None  # this shape's steady-state cost for the cost model. The guard records it under
+            # its cap: a new request's draft prefill is a cost of the cap being on (leaving it out made k = 1
+            # look like a win through the server at 16 sessions, where it lost 11%). A short catch-up (a
+            # sequence back from a few k = 0 steps beside others that speculated) is recorded by both.
         elif self._shape is not None:  # the shape as run: a lookup may find fewer tokens than k (or none)
             lens = [len(d.tokens) for d in drafts]
             self._shape = (self._shape[0], sum(lens), max(lens), sum(1 for x in lens if x))
@@ -147,22 +159,54 @@ class SpecDecoder:
 
     def observe_step(self, sched: SchedulerOutput) -> None:
         """After postprocess: the whole step's time from plan() on (proposal, verify, bookkeeping). The cost
-        model records it under its planned shape, leaving out steps with prefill chunks (their tokens cost
-        differently) and steps whose proposal was a long draft catch-up (a request's first proposal: the draft's
-        prefill of the prompt, paid once per request whatever the cap); the guard records the other decode-only
-        steps' tokens per second under their cap, short catch-ups included (waking a draft after a few k = 0
-        steps is part of what a cap costs)."""
+        model records decode-only steps under their planned shape, leaving out steps whose proposal was a long
+        draft catch-up (a request's first proposal: the draft's prefill of its context). The guard records
+        every step whose planned decodes all ran, under its cap: long catch-ups included (while a cap is on,
+        every new request pays one: a cost of the cap, not noise) and steps with a prefill chunk, less the
+        chunk's share (seconds per prefill token measured on k = 0 steps)."""
         gs = self._guard_step
-        if gs is None or len(sched.seqs) != gs[0]:
+        if self._trace is not None:
+            self._write_trace(sched)
+        if gs is None:
             return
-        for s in sched.seqs:
-            if len(s.token_ids) != s.num_logits:
-                return
         seconds = time.perf_counter() - self._t_plan
-        if self.guard is not None:
-            self.guard.observe(gs[0], gs[1], gs[0] + self._step_accepted, seconds)
-        if self._shape is not None:
+        decodes, prefill = 0, 0
+        for s in sched.seqs:
+            if s.num_logits and len(s.token_ids) == s.num_logits:  # a decode: its token and its drafts
+                decodes += 1
+            else:
+                prefill += len(s.token_ids)
+        if decodes != gs[0]:  # not every planned decode ran (a preemption): not this cap's step
+            return
+        guard = self.guard
+        if guard is not None:
+            if not prefill:
+                guard.observe(gs[0], gs[1], gs[0] + self._step_accepted, seconds)
+            elif gs[1] == 0:  # no speculative work: the excess over a decode-only step is the target's prefill
+                base = guard.off_step_s(gs[0])
+                if base is not None:
+                    x = max(0.0, seconds - base) / prefill
+                    p = self.prefill_s_per_token
+                    self.prefill_s_per_token = x if p is None else 0.9 * p + 0.1 * x
+            if prefill and self.prefill_s_per_token is not None:
+                # the chunk's share is not the cap's cost; what speculation adds to such a step (a new request's
+                # draft catch-up, verify rows) is
+                spec_s = seconds - self.prefill_s_per_token * prefill
+                guard.observe(gs[0], gs[1], gs[0] + self._step_accepted, max(spec_s, 0.25 * seconds))
+        if self._shape is not None and not prefill:
             self.cost.observe(*self._shape, seconds)
+
+    def _write_trace(self, sched: SchedulerOutput) -> None:
+        now = time.perf_counter()
+        gs = self._guard_step
+        n = gs[0] if gs is not None else 0
+        rec = {"t": now, "s": now - self._t_plan, "n": n, "seqs": len(sched.seqs),
+               "prefill": sum(len(s.token_ids) for s in sched.seqs
+                              if not (s.num_spec_slots or (len(s.token_ids) == 1 and s.num_logits))),
+               "k": gs[1] if gs is not None else 0, "spec": sum(1 for s in sched.seqs if s.num_spec_slots),
+               "cur": self.guard.current(n) if self.guard is not None and n else None,
+               "emitted": n + self._step_accepted, "catchup": self._catchup}
+        self._trace.write(json.dumps(rec) + "\n")
 
     # -- verify ----------------------------------------------------------------------------------
     def verify(self, req: Request, logits: torch.Tensor, gen, default_gen) -> tuple[list[int], int]:

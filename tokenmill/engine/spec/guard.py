@@ -18,10 +18,21 @@ the policy under the best measured cap.
                    probe is the best cap measured so far. The first probe comes after `min_samples` steps, and
                    a probe of an arm with fewer than `min_samples` samples runs until it has them, so a
                    bucket has its first comparison within ~2·min_samples steps
+    ladder         from off, a bucket of <= 4 sequences probes the caps (suggestion, 2, 4, k_max) in turn until
+                   each is measured, then the best measured one (a draft model may lose at k = 1 and win at
+                   k = 4); bigger buckets probe k = 1 only (if one draft does not pay there, more do not)
     switch         to the arm whose measured rate beats the current one's by `margin` (relative), each having
-                   at least `min_samples` steps; a failed probe doubles the probe interval (up to
+                   at least `min_samples` steps, in two comparisons in a row (after the first win the current
+                   arm runs for a probe's length, then the challenger is probed again: one lucky window of a
+                   noisy machine does not switch); a failed probe doubles the probe interval (up to
                    `max_probe_every`), a switch resets it: at a steady load the guard settles and probes
                    rarely (bounded exploration cost), a changed load is found again.
+
+What a step costs under a cap is everything speculation adds to it: the decoder passes in every step with
+decoding sequences, including a new request's first draft catch-up (the draft's prefill of its context,
+paid once per request while the cap is on: through the server at 16 sessions that was ~18% of the time, and
+leaving those steps out made k = 1 look like a win there) and steps that carry a prefill chunk (their
+seconds less the chunk's share, estimated from steps without speculation).
 
 Each arm's rate is the ratio of two EMAs (tokens and seconds, per observation of that arm), so a step that
 emitted 5 tokens and one that emitted 1 weigh by their time. No clock is read here: the engine passes the
@@ -37,7 +48,7 @@ from dataclasses import dataclass
 class GuardConfig:
     k_max: int = 6
     probe_every: int = 24  # steps of a bucket between probes (at first, and after a switch)
-    max_probe_every: int = 192  # the interval after repeated failed probes
+    max_probe_every: int = 512  # the interval after repeated failed probes (probe cost ~2% when settled)
     probe_len: int = 8  # steps a probe runs under the probed cap (the first `settle` not recorded)
     min_samples: int = 8  # steps an arm needs before it can win or lose a comparison
     margin: float = 0.03  # a challenger must beat the current arm's measured rate by this (relative)
@@ -76,7 +87,7 @@ class _Arm:
 
 class _Bucket:
     __slots__ = ("cur", "arms", "steps", "next_probe", "interval", "probe_arm", "probe_left", "num_probes",
-                 "last_cap", "run", "seed", "base")
+                 "last_cap", "run", "seed", "base", "ladder", "pending")
 
     def __init__(self, k_max: int, probe_every: int, first_probe: int):
         self.cur = k_max
@@ -91,6 +102,8 @@ class _Bucket:
         self.run = 0
         self.seed = k_max  # the first k probed from off
         self.base = probe_every  # the probe interval after a switch
+        self.ladder: tuple[int, ...] = ()  # the caps probed from off, in order, until each is measured
+        self.pending: int | None = None  # an arm that won one comparison: switched to if it wins the next
 
 
 class GoodputGuard:
@@ -120,6 +133,10 @@ class GoodputGuard:
             # large batch it costs in proportion, so big buckets probe with k = 1 (if one draft does not pay
             # there, more do not either) and less often
             b.seed = 1 if bk > 4 else max(1, min(self.cfg.k_max, suggest or self.cfg.k_max))
+            # small buckets: from off, probe a ladder of caps, not only the suggestion and its neighbours (a
+            # draft model can lose at k = 1 and win at k = 4: its forward has a fixed cost; measured, batch 1)
+            b.ladder = (b.seed,) if bk > 4 else tuple(dict.fromkeys(
+                [b.seed] + [k for k in (2, 4, self.cfg.k_max) if k <= self.cfg.k_max]))
             b.base = b.interval = min(self.cfg.max_probe_every, self.cfg.probe_every * max(1, bk // 4))
             b.next_probe = max(b.next_probe, b.interval)
         b = self._get(n)
@@ -144,7 +161,13 @@ class GoodputGuard:
 
     def _probe_target(self, b: _Bucket) -> int | None:
         k_max = self.cfg.k_max
-        if b.cur == 0:  # off: try the best cap measured so far (the unrestricted policy if none was)
+        if b.pending is not None:  # an arm that won once is probed again: a switch needs two wins in a row
+            return b.pending
+        if b.cur == 0:  # off: the ladder's first cap not measured yet, then the best cap measured so far
+            for k in b.ladder or (b.seed,):
+                a = b.arms.get(k)
+                if a is None or a.samples < self.cfg.min_samples:
+                    return k
             on = [(a.rate(), k) for k, a in b.arms.items() if k and a.samples]
             return max(on)[1] if on else b.seed
         if b.num_probes % 2 == 0:
@@ -164,11 +187,16 @@ class GoodputGuard:
         for k, arm in b.arms.items():
             if k != b.cur and arm.samples >= cfg.min_samples and arm.rate() > best_rate:
                 best, best_rate = k, arm.rate()
-        if best != b.cur:
-            b.cur = best
+        if best != b.cur and best == b.pending:  # the second win in a row: switch
+            b.cur, b.pending = best, None
             self.num_switches += 1
             b.interval = b.base
+        elif best != b.cur:  # a first win (it may be a lucky window on a noisy machine): re-measure the current
+            b.pending = best  # arm for a probe's length, then probe the challenger again
+            b.next_probe = b.steps + cfg.probe_len + cfg.settle
+            return
         else:
+            b.pending = None
             b.interval = min(cfg.max_probe_every, b.interval * 2)
         b.next_probe = b.steps + b.interval
 
@@ -192,6 +220,14 @@ class GoodputGuard:
         arm.tokens = d * arm.tokens + tokens
         arm.seconds = d * arm.seconds + seconds
         arm.samples += 1
+
+    def off_step_s(self, n: int) -> float | None:
+        """Measured mean seconds of a step of n decoding sequences with speculation off (None: not measured)."""
+        b = self.buckets.get(bucket(n))
+        a = b.arms.get(0) if b is not None else None
+        if a is None or a.samples < 3 or a.tokens <= 0:
+            return None
+        return n * a.seconds / a.tokens  # off emits one token per sequence per step
 
     def current(self, n: int) -> int:
         b = self.buckets.get(bucket(n))
