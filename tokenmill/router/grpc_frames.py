@@ -406,25 +406,8 @@ class FramesProtocol(CallsProtocol):
         self._request(sid, path.decode("latin-1"), method, content_type or b"", ended)
 
     def _request(self, sid: int, path: str, method_name: bytes, content_type: bytes, ended: bool) -> None:
-        call = self.calls[sid] = Call(self, sid, path)
         self.stream_windows[sid] = self.peer_initial_window
-        call.ended = ended
-        method = self.server.methods.get(path)
-        if method_name != b"POST" or not content_type.startswith(b"application/grpc"):
-            self._finish_now(call, INTERNAL, "not a gRPC request (POST, content-type application/grpc)")
-        elif method is None:
-            self._finish_now(call, UNIMPLEMENTED, f"unknown method {path}")
-        elif method.kind == "sink":
-            try:
-                call.sink = method.handler(call)
-            except Exception as e:
-                log.exception("gRPC handler %s failed", call.path)
-                self._finish_now(call, UNKNOWN, f"{type(e).__name__}: {e}")
-                return
-            if ended:
-                self._deliver(call)
-        else:
-            call.task = self.loop.create_task(self._run(call, method))
+        self._start(sid, path, method_name, content_type, ended)
 
     def _settings(self, payload: bytes) -> None:
         for k in range(0, len(payload), 6):

@@ -184,7 +184,30 @@ class _H2Connection(h2.connection.H2Connection):
 class CallsProtocol(asyncio.Protocol):
     """What both HTTP/2 connections (GrpcH2Protocol here, on h2; grpc_frames.FramesProtocol, our own framing)
     do with a call once its frames are read: hand a "sink" its messages, run a "stream"/"unary" handler's task.
-    A subclass has `calls`, `loop`, `_finish_now(call, status, message)` and `consumed(call)`."""
+    A subclass has `calls`, `loop`, `server`, `_finish_now(call, status, message)` and `consumed(call)`."""
+
+    def _start(self, sid: int, path: str, method_name: bytes, content_type: bytes, ended: bool) -> Call:
+        """A new call on stream sid: refused at once unless it is a gRPC POST to a known method, else a
+        "sink" handler gets its messages from the read path and any other kind runs as its own task."""
+        call = self.calls[sid] = Call(self, sid, path)
+        call.ended = ended
+        method = self.server.methods.get(path)
+        if method_name != b"POST" or not content_type.startswith(b"application/grpc"):
+            self._finish_now(call, INTERNAL, "not a gRPC request (POST, content-type application/grpc)")
+        elif method is None:
+            self._finish_now(call, UNIMPLEMENTED, f"unknown method {path}")
+        elif method.kind == "sink":
+            try:
+                call.sink = method.handler(call)
+            except Exception as e:
+                log.exception("gRPC handler %s failed", call.path)
+                self._finish_now(call, UNKNOWN, f"{type(e).__name__}: {e}")
+                return call
+            if ended:
+                self._deliver(call)
+        else:
+            call.task = self.loop.create_task(self._run(call, method))
+        return call
 
     def _deliver(self, call: Call) -> None:
         """A "sink" call: hand it every whole message received, then the end of the client's side."""
@@ -381,24 +404,7 @@ class GrpcH2Protocol(CallsProtocol):
             self.h2.reset_stream(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
             self.h2.forget(sid)
             return
-        call = self.calls[sid] = Call(self, sid, path)
-        call.ended = ended
-        method = self.server.methods.get(path)
-        if headers.get(b":method") != b"POST" or not headers.get(b"content-type", b"").startswith(b"application/grpc"):
-            self._finish_now(call, INTERNAL, "not a gRPC request (POST, content-type application/grpc)")
-        elif method is None:
-            self._finish_now(call, UNIMPLEMENTED, f"unknown method {path}")
-        elif method.kind == "sink":
-            try:
-                call.sink = method.handler(call)
-            except Exception as e:
-                log.exception("gRPC handler %s failed", call.path)
-                self._finish_now(call, UNKNOWN, f"{type(e).__name__}: {e}")
-                return
-            if ended:
-                self._deliver(call)
-        else:
-            call.task = self.loop.create_task(self._run(call, method))
+        self._start(sid, path, headers.get(b":method", b""), headers.get(b"content-type", b""), ended)
 
     # -- sending
     def send_now(self, call: Call, message: bytes) -> bool:

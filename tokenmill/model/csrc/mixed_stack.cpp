@@ -17,6 +17,8 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_
                             c10::optional<torch::Tensor> k_scales, c10::optional<torch::Tensor> v_scales);
 void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor w, double eps);
 void silu_mul(torch::Tensor out, torch::Tensor gu);
+void qk_norm_rope(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& q_norm, const torch::Tensor& k_norm,
+                  double eps, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin);  // paged_decode.cpp
 void rope_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v,
               torch::Tensor slot_mapping);
@@ -124,15 +126,7 @@ torch::Tensor decoder_stack_mixed(torch::Tensor x, torch::Tensor positions, torc
     auto q = qkv.narrow(1, 0, nh * hd).view({T, nh, hd});
     auto k = qkv.narrow(1, nh * hd, nkv * hd).view({T, nkv, hd});
     auto v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({T, nkv, hd});
-    if (w[b + 2].numel() > 0) {  // qk-norm: per head, over head_dim
-      auto qc = q.contiguous(), kc = k.contiguous();
-      q = at::empty_like(qc);
-      k = at::empty_like(kc);
-      rms_norm(q.view({T * nh, hd}), qc.view({T * nh, hd}), c10::nullopt, w[b + 2], eps);
-      rms_norm(k.view({T * nkv, hd}), kc.view({T * nkv, hd}), c10::nullopt, w[b + 3], eps);
-    }
-    rope_inplace(q, positions, cos, sin);
-    rope_inplace(k, positions, cos, sin);
+    qk_norm_rope(q, k, w[b + 2], w[b + 3], eps, positions, cos, sin);
     const auto& kc = caches[l * 4];
     const auto& vc = caches[l * 4 + 1];
     const bool i8 = kc.scalar_type() == at::kChar;

@@ -1342,6 +1342,22 @@ static torch::Tensor any_linear(const torch::Tensor& x, const std::vector<torch:
   return out;
 }
 
+// q [T, nh, hd], k [T, nkv, hd] (views into the qkv projection): the optional per-head qk-norm (qwen3; replaces
+// q and k by normed copies when q_norm is non-empty), then rope in place. Shared by both fused stacks.
+void qk_norm_rope(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& q_norm, const torch::Tensor& k_norm,
+                  double eps, const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin) {
+  if (q_norm.numel() > 0) {
+    const int64_t T = q.size(0), nh = q.size(1), nkv = k.size(1), hd = q.size(2);
+    auto qc = q.contiguous(), kc = k.contiguous();
+    q = at::empty_like(qc);
+    k = at::empty_like(kc);
+    rms_norm(q.view({T * nh, hd}), qc.view({T * nh, hd}), c10::nullopt, q_norm, eps);
+    rms_norm(k.view({T * nkv, hd}), kc.view({T * nkv, hd}), c10::nullopt, k_norm, eps);
+  }
+  rope_inplace(q, positions, cos, sin);
+  rope_inplace(k, positions, cos, sin);
+}
+
 torch::Tensor decoder_stack(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                             std::vector<torch::Tensor> w, std::vector<int64_t> kinds,
                             std::vector<torch::Tensor> caches, torch::Tensor slot_mapping,
@@ -1364,15 +1380,7 @@ torch::Tensor decoder_stack(torch::Tensor x, torch::Tensor positions, torch::Ten
     auto q = qkv.narrow(1, 0, nh * hd).view({T, nh, hd});
     auto k = qkv.narrow(1, nh * hd, nkv * hd).view({T, nkv, hd});
     auto v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({T, nkv, hd});
-    if (w[b + 2].numel() > 0) {  // qk-norm: per head, over head_dim
-      auto qc = q.contiguous(), kc = k.contiguous();
-      q = at::empty_like(qc);
-      k = at::empty_like(kc);
-      rms_norm(q.view({T * nh, hd}), qc.view({T * nh, hd}), c10::nullopt, w[b + 2], eps);
-      rms_norm(k.view({T * nkv, hd}), kc.view({T * nkv, hd}), c10::nullopt, w[b + 3], eps);
-    }
-    rope_inplace(q, positions, cos, sin);
-    rope_inplace(k, positions, cos, sin);
+    qk_norm_rope(q, k, w[b + 2], w[b + 3], eps, positions, cos, sin);
     const auto& kc = caches[l * 4];
     const auto& vc = caches[l * 4 + 1];
     if (kc.scalar_type() == at::kChar) {
