@@ -115,10 +115,12 @@ def test_stop_string_matches_offline_and_frees_kv(real, tiny_dir):
         time.sleep(0.01)
     st = real.state()
     assert st["stats"]["kv_blocks_used"] == 0 and st["stats"]["num_running"] == 0 and st["num_in_flight"] == 0
-    # the core stopped generating for them at once (not at max_tokens): in process mode a step or two more
-    # ran before the front-end's abort arrived
+    # the core stopped generating for them at once (not at max_tokens): in process mode some steps more ran
+    # before the front-end's abort arrived -- 1-5 tokens here on a quiet machine, more than 8 once in CI, where a
+    # tiny-model step (~1 ms) is short beside the front-end's turn-around. Without the abort the two requests
+    # would generate 2 * (400 - n_ref) more, so a bound of 40 per request still tells the two apart.
     extra = st["stats"]["generation_tokens_total"] - generated - 2 * n_ref
-    assert extra == 0 if real.mode == "thread" else 0 <= extra <= 8
+    assert extra == 0 if real.mode == "thread" else 0 <= extra <= 2 * 40, (real.mode, extra, n_ref)
     if real.mode == "process":
         assert st["stop_string_aborts"] >= 2
 
