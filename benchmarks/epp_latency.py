@@ -57,7 +57,7 @@ SERVERS = (*PICKERS, "echo-h2", "echo-aio", "echo-aio-uvloop", "echo-aio-rw", "e
 #                 picker needs (the pick, the served endpoint, the status; the stream's end closes the gRPC call)
 PATTERNS = ("full", "resp-headers")
 PLACEMENTS = ("shared", "pinned")
-CLIENTS = ("grpc", "raw")
+CLIENTS = ("grpc", "raw", "cpp")
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
@@ -327,7 +327,7 @@ async def drive_raw(epp_port: int, rate: float, duration_s: float, ttft_s: float
     gap_s = decode_s / max(1, chunks - 1)
     last_chunk = pb.ProcessingRequest(
         response_body=pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True)).SerializeToString()
-    lat, lags, outcomes, picks, starts, task_lat, send_lags = [], [], {}, {}, [], [], []
+    lat, lags, outcomes, picks, starts, task_lat, send_lags, due_lat = [], [], {}, {}, [], [], [], []
     conns = [await RawGrpcConnection.connect("127.0.0.1", epp_port, "/envoy.service.ext_proc.v3.ExternalProcessor/Process")
              for _ in range(n_channels)]
 
@@ -347,6 +347,7 @@ async def drive_raw(epp_port: int, rate: float, duration_s: float, ttft_s: float
         # write was against the schedule is `send_lags`
         lat.append(call.first_at - call.sent_at)
         send_lags.append(call.sent_at - due)
+        due_lat.append(call.first_at - due)
         starts.append(t - start)
         if first.HasField("immediate_response"):
             code = first.immediate_response.status.code
@@ -401,7 +402,97 @@ async def drive_raw(epp_port: int, rate: float, duration_s: float, ttft_s: float
         c.close()
     return {"lat": lat, "lags": lags, "outcomes": outcomes, "picks": picks, "wall_s": time.perf_counter() - start,
             "client_cpu_s": time.process_time() - cpu0, "starts": starts, "task_lat": task_lat,
-            "send_lags": send_lags}
+            "send_lags": send_lags, "due_lat": due_lat}
+
+
+LOADGEN_SRC = Path(__file__).resolve().parent / "epp_loadgen.cpp"
+
+
+def build_loadgen() -> Path:
+    """epp_loadgen.cpp compiled once per source version (g++ -O2; $CXX if set, as torch's cpp_extension picks
+    its compiler) into ~/.cache/tokenmill/."""
+    import hashlib
+
+    src = LOADGEN_SRC.read_bytes()
+    out = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill" / \
+        f"epp_loadgen-{hashlib.sha256(src).hexdigest()[:16]}"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        cxx = os.environ.get("CXX", "g++")
+        try:
+            subprocess.run([cxx, "-O2", "-std=c++17", "-o", str(tmp), str(LOADGEN_SRC)], check=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            raise SystemExit(f"--client cpp needs a C++17 compiler ({cxx}): {e}") from None
+        tmp.replace(out)
+    return out
+
+
+def drive_cpp(epp_port: int, rate: float, duration_s: float, ttft_s: float, decode_s: float, seed: int,
+              response_body: bool = True, n_channels: int = 1, chunks: int = 2, schedule: str = "poisson") -> dict:
+    """The same streams and messages as `drive_raw`, sent by epp_loadgen.cpp (epoll, pre-encoded frames, an
+    open-loop Poisson or even schedule fixed in advance). Its latency is from each request's *intended* send
+    time (the schedule) to the read(2) that carried the answer: the client's own lateness is in it, not hidden;
+    `send_lags` (due -> the HEADERS written) and `wire` (written -> answer read) split it."""
+    import tempfile
+
+    from envoy.config.core.v3 import base_pb2
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    rng = random.Random(seed)
+    systems = [f"System prompt {k}: you are assistant number {k}. " * 32 for k in range(8)]
+    n = int(rate * duration_s)
+    msgs = [
+        pb.ProcessingRequest(
+            request_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+                base_pb2.HeaderValue(key=k, raw_value=v) for k, v in
+                ((":method", b"POST"), (":path", b"/v1/completions"), ("content-type", b"application/json"))])),
+            protocol_config=pb.ProtocolConfiguration(
+                request_body_mode=mode,
+                response_body_mode=mode if response_body else processing_mode_pb2.ProcessingMode.NONE)),
+        pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+            base_pb2.HeaderValue(key=":status", raw_value=b"200")]))),
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=b'data: {"choices":[{"text":"x"}]}\n\n')),
+        pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: [DONE]\n\n", end_of_stream=True))]
+    msgs += [pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps(
+        {"prompt": rng.choice(systems) + f"question {i}: {rng.random()}", "max_tokens": 32, "stream": True}).encode(),
+        end_of_stream=True)) for i in range(n)]
+    exe = build_loadgen()
+    with tempfile.TemporaryDirectory() as d:
+        inp, outp = Path(d, "in.bin"), Path(d, "out.csv")
+        with open(inp, "wb") as f:
+            f.write(len(msgs).to_bytes(4, "little"))
+            for m in msgs:
+                b = m.SerializeToString()
+                f.write(len(b).to_bytes(4, "little") + b)
+        proc = subprocess.run([str(exe), "127.0.0.1", str(epp_port), repr(rate), str(n), str(seed),
+                               repr(ttft_s * 1e6), repr(decode_s * 1e6), "full" if response_body else "resp-headers",
+                               str(chunks), str(n_channels), schedule, str(inp), str(outp)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"epp_loadgen failed: {proc.stderr.strip()}")
+        summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows = [line.split(",") for line in outp.read_text().splitlines()]
+    errors = {-1: "RST_STREAM", -2: "ended early", -3: "no endpoint", -4: "GOAWAY", -5: "timeout"}
+    lat, wire, send_lags, outcomes, picks, starts, records = [], [], [], {}, {}, [], []
+    start_ns = summary["start_ns"]
+    for _, conn, sid, due, sent, first, end, outcome, endpoint in rows:
+        due, sent, first, outcome = int(due), int(sent), int(first), int(outcome)
+        key = errors.get(outcome, outcome)
+        outcomes[key] = outcomes.get(key, 0) + 1
+        if outcome > 0 or first:  # an answer came (a pick, a 429 / 503 ...): timed
+            lat.append((first - due) / 1e9)
+            wire.append((first - sent) / 1e9)
+            send_lags.append((sent - due) / 1e9)
+            starts.append((due - start_ns) / 1e9)
+            records.append((int(conn), int(sid), due, sent, first))
+        if outcome == 200:
+            picks[endpoint] = picks.get(endpoint, 0) + 1
+    return {"lat": lat, "lags": send_lags, "outcomes": outcomes, "picks": picks, "wall_s": summary["wall_s"],
+            "client_cpu_s": summary["cpu_s"], "starts": starts, "wire": wire, "send_lags": send_lags,
+            "records": records}
 
 
 async def sequential_picks(epp_port: int, n: int, client: str) -> list[str]:
@@ -686,8 +777,13 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
         busy0, stubs0, client0, wall0 = machine_busy_s(), router_cpu_s(stubs_pid), time.process_time(), time.perf_counter()
         tcp0 = tcp_counters()
         m0 = scrape(f"http://127.0.0.1:{hport}/metrics") if server in PICKERS else None
-        r = client_loop(args.client_loop)((drive_raw if client == "raw" else drive)(eport, args.rate, args.duration, args.ttft_ms / 1e3,
-                                                args.decode_ms / 1e3, 0, pattern == "full", args.channels, args.chunks))
+        if client == "cpp":
+            r = drive_cpp(eport, args.rate, args.duration, args.ttft_ms / 1e3, args.decode_ms / 1e3, args.seed,
+                          pattern == "full", args.channels, args.chunks, args.schedule)
+        else:
+            r = client_loop(args.client_loop)((drive_raw if client == "raw" else drive)(
+                eport, args.rate, args.duration, args.ttft_ms / 1e3, args.decode_ms / 1e3, 0, pattern == "full",
+                args.channels, args.chunks))
         cpu = sum(router_cpu_s(pid) for pid in pids) - cpu0
         loop_busy = (router_cpu_s(pids[0], pids[0]) - loop0) / (time.perf_counter() - wall0) * len(pids)
         tcp = "/".join(str(v - tcp0[k]) for k, v in tcp_counters().items())
@@ -711,13 +807,19 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
             {"starts": r["starts"], "lat_ms": lat, "held": m1["held"] - m0["held"] if m0 else None}))
     label = f"{server} (admission {mode})" if server in PICKERS else server
     label = f"{placement}, {pattern}, {client} client, {label}"
-    return (label, len(lat) / r["wall_s"], statistics.median(lat), pct(lat, 0.9), pct(lat, 0.99), max(lat),
+    if "wire" in r:  # the C++ client: (send lag p99, wire p99, wire p99.9), the main columns from the schedule
+        split = (pct(r["send_lags"], 0.99) * 1e3, pct(r["wire"], 0.99) * 1e3, pct(r["wire"], 0.999) * 1e3)
+    elif "due_lat" in r:  # the raw Python client: (send lag p99, from the schedule p99), the main columns on the wire
+        split = (pct(r["send_lags"], 0.99) * 1e3, pct(r["due_lat"], 0.99) * 1e3, None)
+    else:
+        split = None
+    return (label, len(lat) / r["wall_s"], statistics.median(lat), pct(lat, 0.9), pct(lat, 0.99), pct(lat, 0.999),
+            max(lat),
             pct(r["lags"], 0.99) * 1e3, cpu / len(lat) * 1e3, r["client_cpu_s"] / len(lat) * 1e3, r["outcomes"],
             len(r["picks"]), shares(m0, m1) if m0 else None,
             (m1["gc_n"] - m0["gc_n"], (m1["gc_s"] - m0["gc_s"]) * 1e3, m1["gc_long"] - m0["gc_long"]) if m0 else None,
             m1["held"] - m0["held"] if m0 else None, others, tcp, loop_busy,
-            e2e_quantiles(m0, m1) if m0 and "e2e" in m1 else None,
-            (pct(r["task_lat"], 0.99) * 1e3, pct(r["send_lags"], 0.99) * 1e3) if "task_lat" in r else None)
+            e2e_quantiles(m0, m1) if m0 and "e2e" in m1 else None, split)
 
 
 def verify_client(n: int, ports: list[int], args) -> int:
@@ -772,9 +874,13 @@ def main(argv=None) -> int:
     ap.add_argument("--client-loop", default="asyncio", choices=("asyncio", "uvloop"), help="the client's event "
                     "loop (default %(default)s)")
     ap.add_argument("--client", action="append", choices=CLIENTS, help="load clients to run, in order (default "
-                    "grpc): grpc = grpc.aio (what the tests use), raw = raw HTTP/2 frames (grpc_raw_client.py, needs h2)")
+                    "grpc): grpc = grpc.aio (what the tests use), raw = raw HTTP/2 frames (grpc_raw_client.py, needs h2), "
+                    "cpp = epp_loadgen.cpp (built with g++ at run time; latency from the intended send time)")
     ap.add_argument("--verify-client", type=int, metavar="N", help="check the raw client against the grpc one: N "
                     "requests one after another to a fresh picker through each; the picks must be the same")
+    ap.add_argument("--schedule", default="poisson", choices=("poisson", "uniform"), help="arrivals of the cpp "
+                    "client (the Python clients send evenly spaced): poisson (default) or uniform")
+    ap.add_argument("--seed", type=int, default=0, help="the cpp client's schedule and prompts")
     ap.add_argument("--channels", type=int, default=1, help="gRPC connections the client spreads streams over")
     ap.add_argument("--ttft-ms", type=float, default=30.0)
     ap.add_argument("--decode-ms", type=float, default=300.0)
@@ -831,26 +937,26 @@ def main(argv=None) -> int:
                     for mode in (args.admission or ["off", "leading"]) if server in PICKERS else ["-"]:
                         for client in args.client or ["grpc"]:
                             rows.append(run_one(server, mode, ports, args, stubs.pid, pattern, placement, client))
-                            print("# row:", rows[-1][:9], rows[-1][9], rows[-1][-1], flush=True)
+                            print("# row:", rows[-1][:10], rows[-1][10], rows[-1][-1], flush=True)
     finally:
         stubs.terminate()
         stubs.wait(10)
-    print("| placement, pattern, server | decisions/s done | p50 ms | p90 ms | p99 ms | max ms "
-          "| picker e2e p50 / p99 ms (<= 2 ms) | client lag p99 ms | raw client: send lag p99 / task-measured p99 ms "
+    print("| placement, pattern, server | decisions/s done | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms "
+          "| picker e2e p50 / p99 ms (<= 2 ms) | client lag p99 ms | send lag p99 / cpp: wire p99 / p99.9, raw: from schedule p99 ms "
           "| server CPU ms/request | server loop thread busy | client CPU ms/request | in-picker <= 0.5 / 1 / 2 ms "
           "| picker GC pauses (total ms; long) | held | other load (cores) | TCP zero-window / loss probe / RTO "
           "| answers | endpoints used |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for (label, done, p50, p90, p99, mx, lag, cpu, ccpu, outcomes, used, inside, gcs, held, others, tcp, loop,
-         e2e, raw) in rows:
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (label, done, p50, p90, p99, p999, mx, lag, cpu, ccpu, outcomes, used, inside, gcs, held, others, tcp, loop,
+         e2e, split) in rows:
         answers = ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items(), key=str))
         shares = " / ".join(f"{100 * inside[le]:.1f}%" for le in (0.0005, 0.001, 0.002)) if inside else "-"
         gcs_text = "-" if gcs is None or gcs == (0, 0, 0) and "baseline" in label else \
             f"{gcs[0]:.0f} ({gcs[1]:.1f}; {gcs[2]:.0f} > 5 ms)"
         e2e_text = "-" if e2e is None else f"{e2e[0]:.2f} / {e2e[1]:.2f} ({100 * e2e[2]:.1f}%)"
-        raw_text = "-" if raw is None else f"{raw[1]:.2f} / {raw[0]:.2f}"
-        print(f"| {label} | {done:.0f} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {mx:.2f} | {e2e_text} | {lag:.2f} | {raw_text} "
-              f"| {cpu:.3f} | {100 * loop:.0f}% | {ccpu:.3f} | {shares} | {gcs_text} "
+        split_text = "-" if split is None else " / ".join(f"{x:.2f}" for x in split if x is not None)
+        print(f"| {label} | {done:.0f} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {p999:.2f} | {mx:.2f} | {e2e_text} "
+              f"| {lag:.2f} | {split_text} | {cpu:.3f} | {100 * loop:.0f}% | {ccpu:.3f} | {shares} | {gcs_text} "
               f"| {'-' if held is None else f'{held:.0f}'} | {others:.2f} | {tcp} | {answers} | {used} |")
     return 0
 
