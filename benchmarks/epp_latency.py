@@ -38,6 +38,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -738,12 +739,16 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
     if server.startswith("baseline"):  # the same picker from another checkout (before / after in one run)
         env = {**ENV, "PYTHONPATH": args.baseline_src}
     copies = 1
+    hops_file = None
     if server in PICKERS:
         cmd = [PY, "-m", "tokenmill", "route", "--port", str(hport), "--epp-port", str(eport),
                "--admission", mode, "--log-level", "warning"]
         if server != "baseline":  # (the baseline predates --event-loop: asyncio, and --epp-transport: grpcio)
             cmd += ["--event-loop", "uvloop" if server.endswith("-uvloop") else "asyncio",
                     "--epp-transport", transport_of(server)]
+        if args.hops and client == "cpp" and transport_of(server) == "frames" and not server.startswith("baseline"):
+            hops_file = Path(tempfile.mkdtemp(prefix="epp-hops-"), "server.csv")
+            cmd += ["--epp-trace", str(hops_file)]
         for p in ports:
             cmd += ["--worker", f"tokenmill=http://127.0.0.1:{p}"]
     else:
@@ -801,6 +806,8 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
                 p.kill()
                 p.wait()
     lat = [x * 1e3 for x in r["lat"]]
+    if hops_file is not None:
+        HOPS.append((f"{server} ({mode}), {args.rate:g}/s", hops(r["records"], hops_file)))
     if args.trace:  # (start s, latency ms) of every request, to see whether the tail is one stall or spread
         Path(args.trace).mkdir(parents=True, exist_ok=True)
         Path(args.trace, f"{time.strftime('%H%M%S')}-{server}-{mode}.json").write_text(json.dumps(
@@ -820,6 +827,51 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
             (m1["gc_n"] - m0["gc_n"], (m1["gc_s"] - m0["gc_s"]) * 1e3, m1["gc_long"] - m0["gc_long"]) if m0 else None,
             m1["held"] - m0["held"] if m0 else None, others, tcp, loop_busy,
             e2e_quantiles(m0, m1) if m0 and "e2e" in m1 else None, split)
+
+
+HOPS: list[tuple[str, dict]] = []
+HOP_NAMES = ("client lag (due -> HEADERS written)", "to the picker (written -> its socket read)",
+             "read -> decision start (framing, protobuf, exchange)", "decision (pick, admission, bookkeeping)",
+             "decision end -> answer written (serialize, frame, write)", "back (written -> client's read)",
+             "total (due -> answer read)")
+
+
+def hops(records: list[tuple], server_csv: Path) -> dict:
+    """Join the C++ client's stamps (port, sid, due, sent, first) with the picker's (--epp-trace) on one clock:
+    per hop the p50 / p99 over all requests and the mean over the slowest 1% (by total)."""
+    by_key = {}
+    for line in server_csv.read_text().splitlines()[1:]:
+        port, sid, read, arrived, d0, d1, written = map(int, line.split(","))
+        by_key[port, sid] = (read, d0, d1 or d0, written)
+    rows = []
+    for port, sid, due, sent, first in records:
+        srv = by_key.get((port, sid))
+        if srv is None:
+            continue
+        read, d0, d1, written = srv
+        rows.append(tuple(x / 1e6 for x in (sent - due, read - sent, d0 - read, d1 - d0, written - d1, first - written,
+                                             first - due)))
+    server_csv.unlink()
+    server_csv.parent.rmdir()
+    if not rows:
+        return {"n": 0}
+    slow = sorted(rows, key=lambda x: x[-1])[-max(1, len(rows) // 100):]
+    return {"n": len(rows), "of": len(records),
+            "p50": [pct([x[k] for x in rows], 0.5) for k in range(len(HOP_NAMES))],
+            "p99": [pct([x[k] for x in rows], 0.99) for k in range(len(HOP_NAMES))],
+            "slow": [statistics.fmean(x[k] for x in slow) for k in range(len(HOP_NAMES))]}
+
+
+def print_hops() -> None:
+    for label, h in HOPS:
+        if not h["n"]:
+            print(f"# hops, {label}: no request matched the picker's trace")
+            continue
+        print(f"\n# hops, {label}: {h['n']} of {h['of']} requests matched (CLOCK_MONOTONIC on both sides)")
+        print("| hop | p50 ms | p99 ms | mean over the slowest 1% ms |")
+        print("|---|---|---|---|")
+        for k, name in enumerate(HOP_NAMES):
+            print(f"| {name} | {h['p50'][k]:.3f} | {h['p99'][k]:.3f} | {h['slow'][k]:.3f} |")
 
 
 def verify_client(n: int, ports: list[int], args) -> int:
@@ -894,6 +946,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pin", action="store_true", help="same as --placement pinned")
     ap.add_argument("--in-process", type=int, metavar="N", help="no gRPC: feed N requests' messages to the "
                     "picker's handler in this process and print its own CPU per request")
+    ap.add_argument("--hops", action="store_true", help="with --client cpp, for picker-frames rows: the picker "
+                    "stamps each stream (--epp-trace) and a table splits the round trip into hops on one clock")
     ap.add_argument("--trace", metavar="DIR", help="write each row's (start, latency) per request to DIR")
     ap.add_argument("--stub-workers", help=argparse.SUPPRESS)
     ap.add_argument("--echo-server", help=argparse.SUPPRESS)
@@ -958,6 +1012,7 @@ def main(argv=None) -> int:
         print(f"| {label} | {done:.0f} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {p999:.2f} | {mx:.2f} | {e2e_text} "
               f"| {lag:.2f} | {split_text} | {cpu:.3f} | {100 * loop:.0f}% | {ccpu:.3f} | {shares} | {gcs_text} "
               f"| {'-' if held is None else f'{held:.0f}'} | {others:.2f} | {tcp} | {answers} | {used} |")
+    print_hops()
     return 0
 
 

@@ -27,7 +27,7 @@
 //                    SCHEDULE(poisson|uniform) INFILE OUTFILE
 // INFILE: u32 count, then count x (u32 length, bytes): request-headers message, response-headers message,
 // first chunk message, last chunk message, then N body messages (serialized ProcessingRequest protobufs).
-// OUTFILE: one CSV line per request: i,conn,sid,due_ns,sent_ns,first_ns,end_ns,outcome,endpoint
+// OUTFILE: one CSV line per request: i,port (the connection's local port),sid,due_ns,sent_ns,first_ns,end_ns,outcome,endpoint
 // (outcome: HTTP status of the answer, 200 for a pick; negative: an error, see ERRORS below).
 // stdout: one JSON line with the client's own CPU seconds and counts.
 
@@ -147,6 +147,7 @@ struct Conn {
   bool settings_seen = false;
   bool want_out = false;
   int64_t goaway_last = -1;
+  int local_port = 0;            // (the server's traces name a connection by its peer's port)
 };
 
 struct Gen {
@@ -524,6 +525,9 @@ int main(int argc, char **argv) {
     if (connect(c.fd, (sockaddr *)&a, sizeof a) < 0) die("connect");
     int one = 1;
     setsockopt(c.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    sockaddr_in local{};
+    socklen_t ll = sizeof local;
+    if (getsockname(c.fd, (sockaddr *)&local, &ll) == 0) c.local_port = ntohs(local.sin_port);
     fcntl(c.fd, F_SETFL, O_NONBLOCK);
     epoll_event ev{};
     ev.events = EPOLLIN;
@@ -632,7 +636,7 @@ int main(int argc, char **argv) {
   if (!o) die("cannot write the output file");
   for (int i = 0; i < n; i++) {
     const Stream &s = g.streams[i];
-    fprintf(o, "%d,%d,%u,%lld,%lld,%lld,%lld,%d,%s\n", i, s.conn, s.sid, (long long)s.due, (long long)s.sent,
+    fprintf(o, "%d,%d,%u,%lld,%lld,%lld,%lld,%d,%s\n", i, g.conns[s.conn].local_port, s.sid, (long long)s.due, (long long)s.sent,
             (long long)s.first, (long long)s.end, s.outcome, s.endpoint.c_str());
   }
   fclose(o);

@@ -32,6 +32,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--epp-transport", choices=("frames", "h2", "grpcio"), help="the EPP's gRPC server: frames "
                    "(tokenmill's own gRPC server with its own HTTP/2 framing, the default: the least CPU per request), "
                    "h2 (the same server on the h2 library) or grpcio (grpc.aio)")
+    p.add_argument("--epp-trace", metavar="FILE", help="diagnostics: write every EPP stream's hop time stamps "
+                   "(socket read, decision start/end, answer written; CLOCK_MONOTONIC ns) as CSV to FILE at shutdown "
+                   "(--epp-transport frames)")
     p.add_argument("--policy", choices=sorted(POLICIES), help="routing policy (default prefix-load)")
     p.add_argument("--admission", choices=MODES, help="admission control (default leading)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
@@ -66,6 +69,8 @@ def build_config(args: argparse.Namespace):
             changes["epp_port"] = args.epp_port
         if getattr(args, "epp_transport", None) is not None:
             changes["epp_transport"] = args.epp_transport
+        if getattr(args, "epp_trace", None) is not None:
+            changes["epp_trace"] = args.epp_trace
         if args.admission:
             changes["admission"] = dataclasses.replace(cfg.admission, mode=args.admission)
         cfg = dataclasses.replace(cfg, **changes)

@@ -33,7 +33,7 @@ def attach(app: web.Application, resolver: Resolver = dns_resolver) -> None:
         if cfg.epp_port is not None:
             from tokenmill.router.epp import EppServer
 
-            server = app[EPP] = EppServer(router, cfg.host, cfg.epp_port, cfg.epp_transport)
+            server = app[EPP] = EppServer(router, cfg.host, cfg.epp_port, cfg.epp_transport, cfg.epp_trace)
             await server.start(ready=True)  # discovery (if any) has completed a round: the datastore is synced
 
     async def stop(app: web.Application) -> None:

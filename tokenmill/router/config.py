@@ -55,6 +55,9 @@ class RouterConfig:
     epp_port: int | None = None  # also serve Envoy ext_proc (Gateway API Inference Extension EPP) here, on `host`
     epp_transport: str = "frames"  # the EPP's gRPC server: frames (epp_h2.py on grpc_frames.py), h2 (epp_h2.py on
     # the h2 library) or grpcio (grpc.aio, the reference)
+    epp_trace: str | None = None  # diagnostics: every EPP stream's hop time stamps (CLOCK_MONOTONIC ns: the socket
+    # read that carried its request, the decision's start and end, the write of its answer) as CSV to this file at
+    # shutdown (frames transport only; benchmarks/epp_latency.py --hops joins them with its client's)
     # what a decision reads: "table" (columns kept up to date per changed worker + prefix holders,
     # router/worker_table.py, table_decisions.py; same decisions) or "full" (a WorkerView of every worker)
     snapshot: str = "table"
@@ -81,6 +84,8 @@ class RouterConfig:
             raise ValueError(f"unknown snapshot {self.snapshot!r}; choose from table, full")
         if self.epp_transport not in ("frames", "h2", "grpcio"):
             raise ValueError(f"unknown epp_transport {self.epp_transport!r}; choose from frames, h2, grpcio")
+        if self.epp_trace is not None and self.epp_transport != "frames":
+            raise ValueError(f"epp_trace needs epp_transport frames (got {self.epp_transport!r})")
         for name in ("dns_interval_s", "health_interval_s", "health_timeout_s", "connect_timeout_s", "first_token_timeout_s",
                      "read_timeout_s"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):

@@ -171,6 +171,7 @@ class _Exchange:
     prefill_timer: asyncio.TimerHandle | None = None
     answered: bool = False  # the answer to the request (endpoint or refusal) was returned by handle()
     held: Held | None = None  # admission holds the request (its class queue entry) until it is picked or refused
+    picked_at: tuple[float, float] = (0.0, 0.0)  # the decision's start and end (perf_counter; end 0: refused)
 
     async def handle(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         out = self.step(req)
@@ -260,6 +261,7 @@ class _Exchange:
               ) -> list[pb.ProcessingResponse] | Awaitable[list[pb.ProcessingResponse]]:
         router, m = self.router, self.metrics
         t0 = time.perf_counter()
+        self.picked_at = (t0, 0.0)
         self.answered = True  # every return below is the answer
         try:
             ctx = self._new_request(body)
@@ -294,6 +296,7 @@ class _Exchange:
         return self._picked(ctx, flight, t0, phase, body, body_eos)
 
     def _refused(self, ctx: RequestCtx, e: Refused) -> list[pb.ProcessingResponse]:
+        self.picked_at = (self.picked_at[0], 0.0)
         self.router.metrics.requests.labels(ctx.cls.name, "rejected").inc()
         self.metrics.requests.labels("shed" if e.status == 429 else "unavailable").inc()
         self.close()
@@ -309,7 +312,9 @@ class _Exchange:
             # body): the prefill is taken as done when predicted, as the proxy does for non-streaming requests
             self.prefill_timer = asyncio.get_running_loop().call_later(
                 max(0.0, self.flight.predicted_ttft_s), router.end_prefill, self.flight)
-        m.decision.observe(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        m.decision.observe(t1 - t0)
+        self.picked_at = (t0, t1)
         m.picked.inc()
         as_headers, as_body = _destination(endpoint_of(self.flight.worker))
         if phase == "request_headers":
@@ -408,17 +413,20 @@ class EndpointPicker(pb_grpc.ExternalProcessorServicer):
 TRANSPORTS = ("frames", "h2", "grpcio")
 
 
-def EppServer(router: Router, host: str, port: int, transport: str = "grpcio"):
+def EppServer(router: Router, host: str, port: int, transport: str = "grpcio", trace: str | None = None):
     """The EPP's gRPC server (ext_proc + health) on the router's event loop, listening on host:port (0: any
     free port, then `.port`). `transport`: grpcio (grpc.aio, the reference), h2 (epp_h2.py: the same
     messages over tokenmill's own gRPC server on the `h2` library) or frames (the same server with its
-    HTTP/2 framed by grpc_frames.py, the cheapest). All have start(ready), set_ready(ready), stop(grace_s)."""
+    HTTP/2 framed by grpc_frames.py, the cheapest). All have start(ready), set_ready(ready), stop(grace_s).
+    `trace` (frames only): a file for every stream's hop time stamps, written at stop."""
+    if trace is not None and transport != "frames":
+        raise ValueError(f"an EPP trace needs the frames transport, not {transport!r}")
     if transport == "grpcio":
         return GrpcioEppServer(router, host, port)
     if transport in ("h2", "frames"):
         from tokenmill.router.epp_h2 import H2EppServer
 
-        return H2EppServer(router, host, port, transport)
+        return H2EppServer(router, host, port, transport, trace)
     raise ValueError(f"unknown EPP transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
 
 

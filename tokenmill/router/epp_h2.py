@@ -72,7 +72,7 @@ class H2EppServer:
     """ext_proc + health over grpc_h2, on the router's event loop. The listening socket is bound here (so
     `port` is known, and a port in use fails at once, as grpc.aio's add_insecure_port does)."""
 
-    def __init__(self, router: Router, host: str, port: int, framing: str = "frames"):
+    def __init__(self, router: Router, host: str, port: int, framing: str = "frames", trace: str | None = None):
         if framing == "frames":
             from tokenmill.router.grpc_frames import FramesProtocol as protocol
         elif framing == "h2":
@@ -97,6 +97,11 @@ class H2EppServer:
         self.watchers: set[asyncio.Event] = set()
         self.server = GrpcH2Server({PROCESS: Method("sink", self.process), HEALTH_CHECK: Method("unary", self.check),
                                     HEALTH_WATCH: Method("stream", self.watch)}, protocol=protocol)
+        self.trace_path = trace
+        if trace is not None:
+            if framing != "frames":
+                raise ValueError("an EPP trace needs the frames transport")
+            self.server.trace = []
 
     async def start(self, ready: bool) -> None:
         await self.set_health("liveness", SERVING)
@@ -114,6 +119,18 @@ class H2EppServer:
 
     async def stop(self, grace_s: float = 1.0) -> None:
         await self.server.stop(grace_s)
+        if self.trace_path is not None:
+            self.write_trace(self.trace_path)
+
+    def write_trace(self, path: str) -> None:
+        """The hop time stamps of every answered stream, CLOCK_MONOTONIC ns (time.perf_counter's clock):
+        peer_port,sid,read_ns (the socket read that carried the request's last message), arrived_ns (its first
+        message handed to the picker), decision_start_ns, decision_end_ns (0: refused), written_ns (the
+        transport.write that carried the answer)."""
+        with open(path, "w") as f:
+            f.write("peer_port,sid,read_ns,arrived_ns,decision_start_ns,decision_end_ns,written_ns\n")
+            for port, sid, *ts in self.server.trace:
+                f.write(f"{port},{sid}," + ",".join(str(int(t * 1e9)) for t in ts) + "\n")
 
     # -- ext_proc
     def process(self, call: Call) -> "_EppCall":
@@ -198,6 +215,9 @@ class _EppCall(Sink):
         if self.ex.answered and not self.timed:
             self.timed = True
             self.server.metrics.e2e.observe(time.perf_counter() - self.arrived)
+            conn = self.call.conn
+            if conn.server.trace is not None:  # (--epp-trace) stamped with the write that carries the answer
+                conn.traced.append((conn.peer_port, self.call.sid, conn.recv_t, self.arrived, *self.ex.picked_at))
 
     async def _slow(self, pending, payloads) -> None:
         call, wire = self.call, self.server.wire

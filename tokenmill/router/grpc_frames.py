@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
 
 from hpack import Decoder, HPACKError
 from hpack.table import HeaderTable
@@ -155,11 +156,20 @@ class FramesProtocol(CallsProtocol):
         self.owed = 0
         self.stream_owed: dict[int, int] = {}
         self.threshold = max(1, server.window // 2)
+        # diagnostics (--epp-trace): the time of the socket read being handled, and the calls answered since the
+        # last write (each stamped with that write's time, then kept in server.trace)
+        self.trace = server.trace
+        self.recv_t = 0.0
+        self.traced: list[tuple] = []
+        self.peer_port = 0
 
     # -- I/O
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.server.connections.add(self)
+        if self.trace is not None:
+            peer = transport.get_extra_info("peername")
+            self.peer_port = peer[1] if peer else 0
         settings = struct.pack(">HIHIHI", S_MAX_CONCURRENT_STREAMS, MAX_CONCURRENT_STREAMS,
                                S_INITIAL_WINDOW_SIZE, self.server.window, S_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST)
         self.out += frame(SETTINGS, 0, 0, settings)
@@ -183,6 +193,10 @@ class FramesProtocol(CallsProtocol):
             if self.transport is not None and not self.transport.is_closing():
                 self.transport.write(self.out)
             self.out = bytearray()
+            if self.traced:
+                t = time.perf_counter()
+                self.trace.extend(rec + (t,) for rec in self.traced)
+                self.traced.clear()
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
@@ -196,6 +210,8 @@ class FramesProtocol(CallsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.dead:
             return
+        if self.trace is not None:
+            self.recv_t = time.perf_counter()
         buf = self.buf
         if buf:
             buf += data

@@ -528,6 +528,7 @@ class GrpcH2Server:
         self.connections: set[GrpcH2Protocol] = set()
         self.server: asyncio.base_events.Server | None = None
         self.protocol = protocol or GrpcH2Protocol  # one connection: h2's state machine, or grpc_frames'
+        self.trace: list[tuple] | None = None  # grpc_frames: per answered call, its hop time stamps (epp_h2 --epp-trace)
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
