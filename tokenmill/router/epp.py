@@ -49,6 +49,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter, Histogram
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.router.metrics import Labelled
 from tokenmill.router.request_fields import read_request
 from tokenmill.router.router import Refused, RequestCtx, Router
 from tokenmill.router.queues import Held
@@ -147,6 +148,7 @@ class EppMetrics:
                              "answer (picked endpoint or ImmediateResponse) written to the stream",
                              buckets=E2E_BUCKETS, registry=registry)
         self.picked = self.requests.labels("picked")
+        self.requests = Labelled(self.requests)
 
 
 @dataclass

@@ -209,7 +209,11 @@ class _EppCall(Sink):
             if not call.send_now(wire(resp)):
                 self.task = asyncio.get_running_loop().create_task(self._slow(None, [wire(r) for r in out[i:]]))
                 return
-        self._answered()
+        if self.ex.answered and not self.timed:
+            # the pick (or refusal) the gateway waits on goes out now, before the rest of this socket read (other
+            # streams' requests, each a decision) is handled: one write per pick instead of one per read
+            self._answered()
+            call.push()
 
     def _answered(self) -> None:
         if self.ex.answered and not self.timed:

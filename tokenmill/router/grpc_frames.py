@@ -198,6 +198,10 @@ class FramesProtocol(CallsProtocol):
                 self.trace.extend(rec + (t,) for rec in self.traced)
                 self.traced.clear()
 
+    def push(self) -> None:
+        """Write what is queued now (Call.push): inside data_received the rest of the read is handled after."""
+        self._write()
+
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
         for call in list(self.calls.values()):

@@ -132,6 +132,11 @@ class Call:
         """End the call now (trailers with grpc-status): for "sink" methods, once their answers are sent."""
         self.conn._finish_now(self, status, message)
 
+    def push(self) -> None:
+        """Write what is queued on the connection now, not at the end of the socket read being handled: an
+        answer someone waits for (the EPP's pick) does not wait behind the other streams' frames of that read."""
+        self.conn.push()
+
     def _wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
@@ -333,6 +338,11 @@ class GrpcH2Protocol(CallsProtocol):
         # what the events produced (answers sent from the sinks, window updates) goes out now, in this
         # callback, not after the other callbacks ready in this loop turn (a flush they scheduled finds
         # nothing left to write)
+        data = self.h2.data_to_send()
+        if data and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def push(self) -> None:
         data = self.h2.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)

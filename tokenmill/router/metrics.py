@@ -17,6 +17,28 @@ RELATIVE_ERROR_BUCKETS = (-0.9, -0.75, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1
 P = "tokenmill_router_"
 
 
+class Labelled:
+    """A labelled Counter / Histogram whose children are looked up once per label values: prometheus_client's
+    own `labels()` checks and locks on every call (~1.2 us; ~10 calls per routed request), a dict hit is ~0.1 us.
+    Children are never removed from these metrics, so a cached child is always the live one. Anything else is
+    the metric's own (`registry`, `collect`, ...)."""
+
+    __slots__ = ("metric", "children")
+
+    def __init__(self, metric):
+        self.metric = metric
+        self.children: dict[tuple, object] = {}
+
+    def labels(self, *values):
+        child = self.children.get(values)
+        if child is None:
+            child = self.children[values] = self.metric.labels(*values)
+        return child
+
+    def __getattr__(self, name):
+        return getattr(self.metric, name)
+
+
 class RouterMetrics:
     """`prefix`: tokenmill_router_ for the router; the server's admission uses the same series under
     tokenmill_admission_ (its one "worker" is its own engine)."""
@@ -62,6 +84,9 @@ class RouterMetrics:
                                ["class"], registry=r)
         self.queue_wait = Histogram(P + "queue_wait_seconds", "Time held in the class queue before dispatch",
                                     ["class"], buckets=LATENCY_BUCKETS, registry=r)
+        for name, value in list(vars(self).items()):
+            if isinstance(value, (Counter, Histogram)) and value._labelnames:
+                setattr(self, name, Labelled(value))
         r.register(_PoolCollector(pool, queue_depths, P))
 
     def render(self) -> bytes:
