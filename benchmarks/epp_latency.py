@@ -48,7 +48,7 @@ from routing_common import wait_http  # noqa: E402
 
 PY = sys.executable
 PICKERS = ("picker", "picker-uvloop", "picker-h2", "picker-h2-uvloop", "picker-frames", "picker-frames-uvloop",
-           "baseline", "baseline-h2-uvloop")
+           "baseline", "baseline-h2-uvloop", "baseline-frames-uvloop")
 SERVERS = (*PICKERS, "echo-h2", "echo-aio", "echo-aio-uvloop", "echo-aio-rw", "echo-aio-opts", "echo-aio-x2", "echo-sync")
 # the ext_proc message patterns a gateway can be configured for (processing_mode), per request:
 #   full          request headers + body (FULL_DUPLEX_STREAMED), response headers, every response body chunk
@@ -570,11 +570,24 @@ def scrape(url: str) -> dict:
         if fam.name == "tokenmill_router_queue_wait_seconds":  # requests admission held in a class queue
             out["held"] = sum(s.value for s in fam.samples if s.name.endswith("_count"))
         if fam.name == "tokenmill_router_gc_pause_seconds":
+            out["gc_gen"] = {(s.labels["generation"], s.name.rsplit("_", 1)[1]): s.value for s in fam.samples
+                             if s.name.endswith(("_count", "_sum"))}
             out["gc_n"] = sum(s.value for s in fam.samples if s.name.endswith("_count"))
             out["gc_s"] = sum(s.value for s in fam.samples if s.name.endswith("_sum"))
             out["gc_long"] = sum(s.value for s in fam.samples if s.name.endswith("_bucket") and s.labels["le"] == "+Inf") \
                 - sum(s.value for s in fam.samples if s.name.endswith("_bucket") and s.labels["le"] == "0.005")
     return out
+
+
+def gc_by_generation(before: dict, after: dict) -> str:
+    """'g0 n/ms, g1 n/ms, g2 n/ms': the run's collections per generation, their count and total pause."""
+    a, b = after.get("gc_gen", {}), before.get("gc_gen", {})
+    parts = []
+    for gen in sorted({g for g, _ in a}):
+        n = a.get((gen, "count"), 0) - b.get((gen, "count"), 0)
+        ms = (a.get((gen, "sum"), 0) - b.get((gen, "sum"), 0)) * 1e3
+        parts.append(f"g{gen} {n:.0f}/{ms:.1f}")
+    return ", ".join(parts)
 
 
 def e2e_quantiles(before: dict, after: dict) -> tuple[float, float, float]:
@@ -724,7 +737,7 @@ def set_affinity(pid: int, cpus: set[int]) -> None:
 def transport_of(server: str) -> str:
     """The --epp-transport of a picker row: picker-frames* (our own HTTP/2 framing), *-h2* (the h2 library),
     else grpcio."""
-    if server.startswith("picker-frames"):
+    if server.startswith(("picker-frames", "baseline-frames")):
         return "frames"
     return "h2" if server.startswith(("picker-h2", "baseline-h2")) else "grpcio"
 
@@ -824,7 +837,8 @@ def run_one(server: str, mode: str, ports: list[int], args, stubs_pid: int, patt
             max(lat),
             pct(r["lags"], 0.99) * 1e3, cpu / len(lat) * 1e3, r["client_cpu_s"] / len(lat) * 1e3, r["outcomes"],
             len(r["picks"]), shares(m0, m1) if m0 else None,
-            (m1["gc_n"] - m0["gc_n"], (m1["gc_s"] - m0["gc_s"]) * 1e3, m1["gc_long"] - m0["gc_long"]) if m0 else None,
+            (m1["gc_n"] - m0["gc_n"], (m1["gc_s"] - m0["gc_s"]) * 1e3, m1["gc_long"] - m0["gc_long"],
+             gc_by_generation(m0, m1)) if m0 else None,
             m1["held"] - m0["held"] if m0 else None, others, tcp, loop_busy,
             e2e_quantiles(m0, m1) if m0 and "e2e" in m1 else None, split)
 
@@ -1005,8 +1019,8 @@ def main(argv=None) -> int:
          e2e, split) in rows:
         answers = ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items(), key=str))
         shares = " / ".join(f"{100 * inside[le]:.1f}%" for le in (0.0005, 0.001, 0.002)) if inside else "-"
-        gcs_text = "-" if gcs is None or gcs == (0, 0, 0) and "baseline" in label else \
-            f"{gcs[0]:.0f} ({gcs[1]:.1f}; {gcs[2]:.0f} > 5 ms)"
+        gcs_text = "-" if gcs is None or gcs[:3] == (0, 0, 0) and "baseline" in label else \
+            f"{gcs[0]:.0f} ({gcs[1]:.1f}; {gcs[2]:.0f} > 5 ms; {gcs[3]})"
         e2e_text = "-" if e2e is None else f"{e2e[0]:.2f} / {e2e[1]:.2f} ({100 * e2e[2]:.1f}%)"
         split_text = "-" if split is None else " / ".join(f"{x:.2f}" for x in split if x is not None)
         print(f"| {label} | {done:.0f} | {p50:.2f} | {p90:.2f} | {p99:.2f} | {p999:.2f} | {mx:.2f} | {e2e_text} "

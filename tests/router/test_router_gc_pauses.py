@@ -5,7 +5,9 @@ import gc
 
 from prometheus_client import CollectorRegistry
 
-from tokenmill.router.gc_pauses import GcPauses, settle_heap
+import pytest
+
+from tokenmill.router.gc_pauses import YOUNG_THRESHOLD, GcPauses, settle_heap, young_threshold
 
 
 def _count(registry, generation: str) -> float:
@@ -39,3 +41,31 @@ def test_settle_heap_freezes_what_is_alive_and_a_full_collection_then_scans_less
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
+
+
+def _young_collections_while_allocating(n: int) -> float:
+    registry = CollectorRegistry()
+    watch = GcPauses(registry)
+    gc.collect()
+    watch.start()
+    try:
+        kept = [[] for _ in range(n)]  # n tracked containers, alive: each counts towards the young threshold
+    finally:
+        watch.stop()
+    assert len(kept) == n
+    return _count(registry, "0") + _count(registry, "1") + _count(registry, "2")
+
+
+def test_young_threshold_makes_young_collections_rarer_and_restores():
+    default = gc.get_threshold()
+    n = YOUNG_THRESHOLD // 2
+    assert _young_collections_while_allocating(n) >= n // default[0] - 1  # Python's 700: several
+    before = young_threshold()
+    try:
+        assert before == default and gc.get_threshold() == (YOUNG_THRESHOLD, *default[1:])
+        assert _young_collections_while_allocating(n) == 0
+    finally:
+        gc.set_threshold(*before)
+    with pytest.raises(ValueError, match="threshold"):
+        young_threshold(0)
+    assert gc.get_threshold() == default

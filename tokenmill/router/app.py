@@ -26,7 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.router.gc_pauses import GcPauses, settle_heap
+from tokenmill.router.gc_pauses import GcPauses, settle_heap, young_threshold
 from tokenmill.router.health import HealthChecker
 from tokenmill.router.proxy import error_response, serve
 from tokenmill.router.request_fields import json_object, read_request
@@ -182,6 +182,7 @@ async def run(app: web.Application, host: str, port: int, drain_timeout: float =
     gc_watch = GcPauses(app[ROUTER].metrics.registry)
     gc_watch.start()
     settle_heap()  # the startup heap is never garbage: keep later collections from rescanning it (gc_pauses.py)
+    young_threshold()  # requests leave no cycles: collect young objects ~15x less often (gc_pauses.py)
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
 
