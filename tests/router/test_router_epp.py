@@ -4,6 +4,7 @@ hint, 429/503 immediate responses, the served-endpoint fallback, and gRPC health
 
 import asyncio
 import json
+import time
 
 import grpc
 import pytest
@@ -24,6 +25,7 @@ from tokenmill.router.worker_state import WorkerSpec
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 ENDPOINTS = ["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"]
+EXT_PROC_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 
 
 TRANSPORT = "grpcio"
@@ -640,3 +642,63 @@ def test_a_full_duplex_body_that_ends_with_trailers_is_picked_at_the_trailers():
         assert router.in_flight == 0
 
     run(with_epp(router, main))
+
+
+def test_the_hop_trace_stamps_each_answer_in_order_and_a_pick_is_written_before_the_next_decision(tmp_path):
+    """--epp-trace (frames only): per answered stream, the socket read, the decision's start and end and the
+    write of its answer, on perf_counter's clock. Two requests in one socket read: the first pick is written
+    before the second decision starts (Call.push), not at the end of the read."""
+    from hpack import Encoder
+
+    router = make_router(admission=AdmissionConfig(mode="off"))
+    path = tmp_path / "hops.csv"
+    if TRANSPORT != "frames":
+        with pytest.raises(ValueError, match="frames"):
+            EppServer(router, "127.0.0.1", 0, TRANSPORT, str(path))
+        with pytest.raises(ValueError, match="epp_trace"):
+            RouterConfig(workers=router.cfg.workers, epp_trace=str(path), epp_transport=TRANSPORT)
+        return
+
+    def frame(kind, flags, sid, payload=b""):
+        return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + sid.to_bytes(4, "big") + payload
+
+    def message(m) -> bytes:
+        data = m.SerializeToString()
+        return b"\x00" + len(data).to_bytes(4, "big") + data
+
+    async def main():
+        server = EppServer(router, "127.0.0.1", 0, TRANSPORT, str(path))
+        await server.start(ready=True)
+        before = time.perf_counter()
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        enc = Encoder()
+        block = enc.encode([(":method", "POST"), (":scheme", "http"), (":path", EXT_PROC_PATH), (":authority", "t"),
+                            ("content-type", "application/grpc"), ("te", "trailers")])
+        out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0)
+        for sid in (1, 3):  # two whole requests in one write: one socket read on the server
+            body = json.dumps({"prompt": f"request {sid} " * 30, "max_tokens": 4}).encode()
+            out += frame(1, 4, sid, block) + frame(0, 0, sid, message(Envoy.headers())) \
+                + frame(0, 0, sid, message(Envoy.body(body)))
+        writer.write(out)
+        picks, buf = {}, b""
+        while len(picks) < 2:
+            buf += await asyncio.wait_for(reader.read(65536), 10)
+            while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+                n = int.from_bytes(buf[:3], "big")
+                kind, sid, payload, buf = buf[3], int.from_bytes(buf[5:9], "big"), buf[9:9 + n], buf[9 + n:]
+                if kind == 0 and sid not in picks:
+                    picks[sid] = picked(pb.ProcessingResponse.FromString(payload[5:]))
+        writer.close()
+        await server.stop(0)
+        return before, time.perf_counter(), picks
+
+    before, after, picks = run(main())
+    assert set(picks) == {1, 3} and set(picks.values()) <= set(ENDPOINTS)
+    lines = path.read_text().splitlines()
+    assert lines[0] == "peer_port,sid,read_ns,arrived_ns,decision_start_ns,decision_end_ns,written_ns"
+    rows = {int(r[1]): r for r in (list(map(int, line.split(","))) for line in lines[1:])}
+    assert set(rows) == {1, 3}
+    for port, sid, read, arrived, d0, d1, written in rows.values():
+        assert port > 0 and before * 1e9 <= read <= arrived <= d0 <= d1 <= written <= after * 1e9
+    assert rows[1][2] == rows[3][2]  # one socket read carried both requests ...
+    assert rows[1][6] <= rows[3][4]  # ... and the first pick was written before the second decision began
