@@ -249,3 +249,25 @@ def test_fast_path_off_by_env(monkeypatch, tiny_dir):
     monkeypatch.setenv("TOKENMILL_DECODE_FAST_PATH", "yes")
     with pytest.raises(ValueError, match="TOKENMILL_DECODE_FAST_PATH"):
         LLM(str(tiny_dir), kv_cache_bytes="8MiB")
+
+
+@needs_kernels
+def test_changing_the_stack_after_its_first_call_reaches_the_handle(tiny_dir):
+    """The handle holds copies of the stack's lists and tensors: setting an attribute or a weight-list item after
+    the first call must still change the result, exactly as on the reference path."""
+    from tokenmill.model.fused_decode import LIN_SLOTS_PY
+
+    llm = LLM(str(tiny_dir), dtype="float32", kv_cache_bytes="8MiB")
+    stack = llm.engine.runner.model.fused
+    before = _on_off(llm, PROMPTS, MIXED[1])
+    assert before[0] == before[1] and stack._handle is not None
+    stack.final_norm = stack.final_norm * 1.01
+    assert stack._handle is None
+    after_norm = _on_off(llm, PROMPTS, MIXED[1])
+    assert after_norm[0] == after_norm[1] and after_norm[0][1] != before[0][1]
+    slot = 4  # layer 0's qkv weight (the small-row kernels read it)
+    assert stack.kinds[0] == 0 and LIN_SLOTS_PY == 6
+    stack.weights[slot] = stack.weights[slot] * 1.05
+    assert stack._handle is None
+    after_w = _on_off(llm, PROMPTS, MIXED[1])
+    assert after_w[0] == after_w[1] and after_w[0][1] != after_norm[0][1]

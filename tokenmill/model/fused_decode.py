@@ -51,8 +51,32 @@ def enabled_by_env() -> bool:
     return v == "1"
 
 
+class _HeldList(list):
+    """A list whose item assignment drops its owner's C++ handle (the handle holds a copy of the list)."""
+
+    def __init__(self, items, owner):
+        super().__init__(items)
+        self._owner = owner
+
+    def __setitem__(self, i, v):
+        super().__setitem__(i, v)
+        self._owner._handle = None
+
+
+# what DecodeStackHandle holds a copy of: setting any of them (or an item of the lists) drops the handle, so the next
+# call builds it again from the new values
+_HELD = frozenset({"kernels", "weights", "kinds", "final_norm", "eps", "scale", "nh", "nkv", "hd", "inter"})
+
+
 class FusedDecodeStack:
     """Per-layer tensor lists for `decoder_stack`, built once after the weights are loaded."""
+
+    def __setattr__(self, name, value):
+        if name in ("weights", "kinds"):
+            value = _HeldList(value, self)
+        super().__setattr__(name, value)
+        if name in _HELD:
+            super().__setattr__("_handle", None)
 
     def __init__(self, kernels, weights: list[torch.Tensor], kinds: list[int], final_norm: torch.Tensor,
                  eps: float, nh: int, nkv: int, hd: int, inter: int, scale: float, max_tokens: int = MAX_TOKENS):
@@ -63,7 +87,7 @@ class FusedDecodeStack:
         self._caches: list[torch.Tensor] = []
         # the C++-held arguments (built at the first call: the rope tables come with it); None: pass them per call
         self.use_handle = fast_path_by_env() and hasattr(kernels, "DecodeStackHandle")
-        self._handle = None
+        self._handle = None  # also dropped whenever a held attribute is set (__setattr__, _HeldList)
         self._handle_rope: tuple | None = None  # (cos, sin) the handle holds
         self._handle_caches: tuple | None = None  # the cache-list key the handle holds
 
@@ -138,7 +162,7 @@ class FusedDecodeStack:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope, kv_caches, meta: AttentionMetadata):
         """x [T, hidden] (the embeddings; updated in place as the residual stream) -> final normed hidden."""
         caches = self._cache_list(kv_caches)
-        if self.use_handle:
+        if self.use_handle and hasattr(self.kernels, "DecodeStackHandle"):
             h = self._handle
             if h is None or self._handle_rope[0] is not rope.cos or self._handle_rope[1] is not rope.sin:
                 h = self._handle = self.kernels.DecodeStackHandle(
