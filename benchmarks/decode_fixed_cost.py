@@ -6,7 +6,8 @@ For each tokenmill config (DTYPE[+int8][@KV] as in offline_throughput.py) one en
 greedy requests (batch sizes from --batch, 128 tokens each after a 32-token prompt) alternate between the fused
 path (`model.fused`, see tokenmill/model/fused_decode.py) and the module path (`model.fused = None`), --rounds
 times; the best round of each is printed as ms per step, with the weight-bandwidth floor of a step (the weight
-bytes a decode step reads, `LlamaModel.decode_read_bytes`, over the read bandwidth measured in the same run) and
+bytes a decode step reads, `LlamaModel.decode_read_bytes`, over the read bandwidth measured in the same run, before
+and after each config: the faster of the DRAM and weights-size probes, offline_throughput.ReadBandwidth) and
 whether both paths produced the same tokens.
 """
 
@@ -41,8 +42,8 @@ def main():
     print(f"# CPU: {capabilities().summary()}")
     print(f"# model {args.model}, torch threads {torch.get_num_threads()}, {args.tokens} tokens per request, "
           f"best of {args.rounds} alternating rounds\n")
-    bw = measure_read_bandwidth()
     rows, gemv_rows = [], []
+    bws = []
     for spec in args.configs:
         spec, _, kv = spec.partition("@")
         dtype, _, quant = spec.partition("+")
@@ -53,6 +54,8 @@ def main():
         name = f"--dtype {dtype}" + (f" --quantization {quant}" if quant else "") + (f" --kv-cache-dtype {kv}" if kv else "")
         name += f" ({str(llm.engine.dtype).replace('torch.', '')})"
         g = torch.Generator().manual_seed(0)
+        bw = measure_read_bandwidth(model.decode_read_bytes)
+        first = len(rows), len(gemv_rows)
         for b in args.batch:
             prompts = [torch.randint(1, min(4096, model.cfg.vocab_size), (32,), generator=g).tolist() for _ in range(b)]
             llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
@@ -76,20 +79,23 @@ def main():
                     best[path] = min(best.get(path, ms), ms)
                     toks.setdefault(path, [r.outputs[0].token_ids for r in res])
             model.fused = fused
-            floor = model.decode_read_bytes / bw * 1000
+            floor = model.decode_read_bytes  # bytes for now: divided by the bandwidth once it is measured again
             rows.append((name, b, best.get("fused"), best["modules"], floor, model.decode_read_bytes,
                          toks.get("fused") == toks["modules"] if "fused" in toks else None))
             if "fused, old GEMV" in best:
                 gemv_rows.append((name, b, best["fused, old GEMV"], best["fused"], floor,
                                   toks["fused, old GEMV"] == toks["fused"]))
+        # the machine's bandwidth moves: each probe takes its faster measurement, before or after this config
+        bw = bw.merge(measure_read_bandwidth(model.decode_read_bytes))
+        bws.append(bw)
+        rows[first[0]:] = [(n, b, f, m, nb / bw.floor_bps * 1000, nb, same) for n, b, f, m, _, nb, same in rows[first[0]:]]
+        gemv_rows[first[1]:] = [(n, b, o, f, nb / bw.floor_bps * 1000, same)
+                                for n, b, o, f, nb, same in gemv_rows[first[1]:]]
+        print(f"# {name}: {bw.describe()}")
         del llm
-    bw_end = measure_read_bandwidth()  # the machine's bandwidth moves: the floor takes the faster measurement
-    if bw_end > bw:
-        rows = [(n, b, f, m, floor * bw / bw_end, nb, same) for n, b, f, m, floor, nb, same in rows]
-        gemv_rows = [(n, b, o, f, floor * bw / bw_end, same) for n, b, o, f, floor, same in gemv_rows]
-        bw = bw_end
+    print()
     print(f"| config | batch | fused ms/step | modules ms/step | fused speedup | weights read per step | "
-          f"floor ms/step (at {bw / 1e9:.1f} GB/s) | fused / floor | modules / floor | same tokens |")
+          f"floor ms/step (at the config's faster probe) | fused / floor | modules / floor | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, b, f, m, floor, nbytes, same in rows:
         fs = f"{f:.2f}" if f is not None else "n/a"
@@ -99,8 +105,8 @@ def main():
               f"| {name} | {b} | n/a | {m:.2f} | n/a | {nbytes / 1e6:.1f} MB | {floor:.2f} | n/a | {m / floor:.2f}x | n/a |")
 
     if gemv_rows:
-        print(f"\n| config | batch | fused, old GEMV ms/step | fused ms/step | speedup | floor ms/step (at {bw / 1e9:.1f} "
-              f"GB/s) | old GEMV / floor | fused / floor | same tokens |")
+        print(f"\n| config | batch | fused, old GEMV ms/step | fused ms/step | speedup | floor ms/step (at the config's "
+              f"faster probe) | old GEMV / floor | fused / floor | same tokens |")
         print("|---|---|---|---|---|---|---|---|---|")
         for name, b, o, f, floor, same in gemv_rows:
             print(f"| {name} | {b} | {o:.2f} | {f:.2f} | {o / f:.2f}x | {floor:.2f} | {o / floor:.2f}x | "

@@ -80,6 +80,12 @@ class ModelRunner:
         # steps with prefill chunks: the last layer computes only the sampled rows past its attention
         # (AttentionMetadata.logits_rows); False: every row (the tests compare the two)
         self.prune_rows = True
+        # decode-only steps (one token per sequence, no drafts): inputs built in one pass, one tensor for the four
+        # per-token rows (see _execute_decode); False (or TOKENMILL_DECODE_FAST_PATH=0): the general path below
+        from tokenmill.model.fused_decode import fast_path_by_env
+
+        self.decode_fast_path = fast_path_by_env()
+        self._aranges: dict[int, torch.Tensor] = {}
         shape = (2, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
         if self.kv_dtype == torch.int8:  # int8 data + one fp32 scale per (block, kv head) for K and V
             self.kv_caches = [Int8KVCache.empty(num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, device,
@@ -176,6 +182,9 @@ class ModelRunner:
         what it needs: greedy sampling reads bf16 logits as they are). `greedy=True` (every row will be sampled
         greedily, without logprobs): where the model's packed head applies, return each row's argmax in `tokens`
         instead of logits (the same tokens; no [rows, vocab] logits written)."""
+        if self.decode_fast_path and sched.seqs and all(
+                len(s.token_ids) == 1 and s.num_logits == 1 and not s.num_spec_slots for s in sched.seqs):
+            return self._execute_decode(sched, float_logits, greedy)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -240,3 +249,36 @@ class ModelRunner:
         with small_row_bits(base_logits <= small < len(logits_idx)):
             logits = self.model.compute_logits(hidden, float32=float_logits)
         return ModelOutput(logits, offsets)
+
+    def _execute_decode(self, sched: SchedulerOutput, float_logits: bool, greedy: bool) -> ModelOutput:
+        """`execute` for a decode-only step (every sequence one token, its logits, no drafts): the same metadata
+        the general path builds for it (tests/engine/test_decode_fast_path.py compares the two), from one loop
+        and two tensors: [4, n] (token ids, positions, slots, context lengths; rows are contiguous views) and the
+        block tables. No logits gather (rows are in order), no small_row_bits (no drafts)."""
+        bs = self.block_size
+        ids, pos, slots, ctx, tables = [], [], [], [], []
+        for s in sched.seqs:
+            p, bt = s.start_pos, s.block_ids
+            ids.append(s.token_ids[0])
+            pos.append(p)
+            slots.append(bt[p // bs] * bs + p % bs)
+            ctx.append(p + 1)
+            tables.append(bt[: p // bs + 1])
+        n = len(ids)
+        if n > 1:
+            width = max(map(len, tables))
+            tables = [t + [0] * (width - len(t)) if len(t) < width else t for t in tables]
+        rows = self._tensor([ids, pos, slots, ctx])
+        idx = self._aranges.get(n)
+        if idx is None:
+            idx = self._aranges[n] = self._tensor(list(range(n)))
+        meta = AttentionMetadata(slot_mapping=rows[2], spans=[], decode_token_idx=idx,
+                                 decode_block_tables=self._tensor(tables), decode_ctx_lens=rows[3], decode_mask=None,
+                                 sliding_window=self.sliding_window)
+        hidden = self.model(rows[0], rows[1], self.kv_caches, meta)
+        offsets = list(range(n))
+        if greedy:
+            tokens = self.model.greedy_tokens(hidden)
+            if tokens is not None:
+                return ModelOutput(hidden.new_empty(0, self.cfg.vocab_size), offsets, tokens)
+        return ModelOutput(self.model.compute_logits(hidden, float32=float_logits), offsets)

@@ -13,6 +13,11 @@ instead) the stack takes steps of at most `MAX_TOKENS` tokens only (`max_tokens`
 
 `FusedDecodeStack.build(model)` returns None when some part of the model has no small-batch C++ kernel (then the
 module path runs every step). TOKENMILL_FUSED_DECODE=0 turns the fused path off.
+
+The per-step call goes through a `DecodeStackHandle` (csrc/decode_step.cpp) that holds the weight list, the kinds,
+the cache list, the rope tables and the constants in C++, converted once, so a step converts only its five per-step
+tensors; it calls the same `decoder_stack` (same bits). TOKENMILL_DECODE_FAST_PATH=0 passes every argument on every
+call instead (the reference; it also turns off the runner's decode fast path, engine/runner.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,15 @@ LIN_SLOTS_PY, LAYER_SLOTS_PY = 6, 4 + 4 * 6  # the weight-list layout of csrc's 
 KIND_FLOAT, KIND_VNNI, KIND_INT8_FLOAT_ACT = 0, 1, 2
 
 
+def fast_path_by_env() -> bool:
+    """TOKENMILL_DECODE_FAST_PATH (default 1): the small-batch decode fast path (the runner's decode-only input
+    building, the C++-held stack arguments); 0: the reference path for both."""
+    v = os.environ.get("TOKENMILL_DECODE_FAST_PATH", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"TOKENMILL_DECODE_FAST_PATH must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
 def enabled_by_env() -> bool:
     v = os.environ.get("TOKENMILL_FUSED_DECODE", "1")
     if v not in ("0", "1"):
@@ -37,8 +51,32 @@ def enabled_by_env() -> bool:
     return v == "1"
 
 
+class _HeldList(list):
+    """A list whose item assignment drops its owner's C++ handle (the handle holds a copy of the list)."""
+
+    def __init__(self, items, owner):
+        super().__init__(items)
+        self._owner = owner
+
+    def __setitem__(self, i, v):
+        super().__setitem__(i, v)
+        self._owner._handle = None
+
+
+# what DecodeStackHandle holds a copy of: setting any of them (or an item of the lists) drops the handle, so the next
+# call builds it again from the new values
+_HELD = frozenset({"kernels", "weights", "kinds", "final_norm", "eps", "scale", "nh", "nkv", "hd", "inter"})
+
+
 class FusedDecodeStack:
     """Per-layer tensor lists for `decoder_stack`, built once after the weights are loaded."""
+
+    def __setattr__(self, name, value):
+        if name in ("weights", "kinds"):
+            value = _HeldList(value, self)
+        super().__setattr__(name, value)
+        if name in _HELD:
+            super().__setattr__("_handle", None)
 
     def __init__(self, kernels, weights: list[torch.Tensor], kinds: list[int], final_norm: torch.Tensor,
                  eps: float, nh: int, nkv: int, hd: int, inter: int, scale: float, max_tokens: int = MAX_TOKENS):
@@ -47,6 +85,11 @@ class FusedDecodeStack:
         self.max_tokens = max_tokens  # the largest step it runs (ANY, or MAX_TOKENS when a linear has no big path)
         self._caches_key: tuple | None = None
         self._caches: list[torch.Tensor] = []
+        # the C++-held arguments (built at the first call: the rope tables come with it); None: pass them per call
+        self.use_handle = fast_path_by_env() and hasattr(kernels, "DecodeStackHandle")
+        self._handle = None  # also dropped whenever a held attribute is set (__setattr__, _HeldList)
+        self._handle_rope: tuple | None = None  # (cos, sin) the handle holds
+        self._handle_caches: tuple | None = None  # the cache-list key the handle holds
 
     @staticmethod
     def _linear_slots(lin, kernels) -> tuple[int, list[torch.Tensor], bool] | None:
@@ -118,7 +161,20 @@ class FusedDecodeStack:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, rope, kv_caches, meta: AttentionMetadata):
         """x [T, hidden] (the embeddings; updated in place as the residual stream) -> final normed hidden."""
+        caches = self._cache_list(kv_caches)
+        if self.use_handle and hasattr(self.kernels, "DecodeStackHandle"):
+            h = self._handle
+            if h is None or self._handle_rope[0] is not rope.cos or self._handle_rope[1] is not rope.sin:
+                h = self._handle = self.kernels.DecodeStackHandle(
+                    self.weights, self.kinds, rope.cos, rope.sin, self.final_norm, self.eps, self.scale, 0, self.nh,
+                    self.nkv, self.hd, self.inter)
+                self._handle_rope, self._handle_caches = (rope.cos, rope.sin), None
+            if self._handle_caches is not self._caches_key:
+                h.set_caches(caches)
+                self._handle_caches = self._caches_key
+            return h.run(x, positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_ctx_lens,
+                         meta.sliding_window or 0)
         return self.kernels.decoder_stack(
-            x, positions, rope.cos, rope.sin, self.weights, self.kinds, self._cache_list(kv_caches),
+            x, positions, rope.cos, rope.sin, self.weights, self.kinds, caches,
             meta.slot_mapping, meta.decode_block_tables, meta.decode_ctx_lens, self.final_norm, self.eps, self.scale,
             meta.sliding_window or 0, self.nh, self.nkv, self.hd, self.inter)
