@@ -57,6 +57,9 @@ def get_kernels():
     gemv = os.environ.get("TOKENMILL_DECODE_GEMV", "1")  # csrc/decode_gemv.cpp reads it; 0 = linear_small_vnni's loop
     if gemv not in ("0", "1"):
         raise ValueError(f"TOKENMILL_DECODE_GEMV must be 0 or 1, got {gemv!r}")
+    attn = os.environ.get("TOKENMILL_DECODE_ATTN", "1")  # csrc/paged_decode.cpp reads it; 0 = the reference kernel
+    if attn not in ("0", "1"):
+        raise ValueError(f"TOKENMILL_DECODE_ATTN must be 0 or 1, got {attn!r}")
     _state["mod"] = None
     if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
         return None
