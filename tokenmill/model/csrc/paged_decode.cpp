@@ -67,18 +67,27 @@ template <typename T> static inline T from_f(float v) { return static_cast<T>(v)
 // The next (sequence, kv head) task's K blocks, prefetched into L2 a few cache lines at a time while the current
 // task's softmax and pass 2 run (they read only what pass 1 brought into L1/L2, so without this the memory would
 // idle through them); pass 1 of the next task then finds its K in L2 and the memory streams that task's V.
+// With `vbase` set it then takes the next task's V blocks too (spread over this task's pass 1 and pass 2).
 struct NextK {
   const char* base = nullptr;
+  const char* vbase = nullptr;
   const int64_t* row = nullptr;
-  int64_t kvh = 0, h = 0, chunk = 0, b = 0, b1 = 0, off = 0;
-  int64_t lines_left() const { return b < b1 ? ((b1 - b) * chunk - off) / 64 : 0; }
+  int64_t kvh = 0, h = 0, chunk = 0, b0 = 0, b = 0, b1 = 0, off = 0;
+  int64_t lines_left() const {
+    const int64_t k = b < b1 ? ((b1 - b) * chunk - off) / 64 : 0;
+    return k + (vbase ? (b1 - b0) * chunk / 64 : 0);
+  }
   inline void step(int64_t lines) {
     for (; lines > 0 && b < b1; --lines) {
       __builtin_prefetch(base + (row[b] * kvh + h) * chunk + off, 0, 2);
       off += 64;
       if (off >= chunk) {
         off = 0;
-        ++b;
+        if (++b == b1 && vbase) {  // K done: now the V blocks
+          base = vbase;
+          vbase = nullptr;
+          b = b0;
+        }
       }
     }
   }
@@ -197,9 +206,12 @@ template <bool DP, typename T>
 static void scores16(const float* qf, const at::BFloat16* qb, const T* kp, const T* vp, const int64_t* row,
                      const float* ksc,
                      int64_t kvh, int64_t h, int64_t bs, int64_t hd, int64_t start, int64_t ctx, int64_t G,
-                     float fscale, float* scores, int64_t n, int64_t pf_ahead) {
+                     float fscale, float* scores, int64_t n, int64_t pf_ahead, NextK* nk, bool pf_cur) {
   const int64_t sh = __builtin_ctzll(bs), mask = bs - 1;  // bs is a power of two (EngineConfig)
+  // half of the next task's lines during this pass, the rest during pass 2
+  const int64_t per = nk ? (nk->lines_left() / 2 + (n + 15) / 16 - 1) / ((n + 15) / 16) : 0;
   for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    if (per) nk->step(per);
     const int64_t cnt = std::min<int64_t>(16, n - i0);
     const T* kt[16];
     float bsc[16];
@@ -209,14 +221,14 @@ static void scores16(const float* qf, const at::BFloat16* qb, const T* kp, const
       kt[j] = kp + ((blk * kvh + h) * bs + (t & mask)) * hd;
       bsc[j] = ksc ? fscale * ksc[blk * kvh + h] : fscale;
     }
-    if (i0 + pf_ahead < n) {  // rows pf_ahead ahead (scattered blocks): fetch them while this group computes
+    if (pf_cur && i0 + pf_ahead < n) {  // rows pf_ahead ahead (scattered blocks): fetch them while this group computes
       for (int j = 0; j < 16; j += 4) {
         const int64_t t = start + std::min<int64_t>(i0 + pf_ahead + j, n - 1);
         const T* p = kp + ((row[t >> sh] * kvh + h) * bs + (t & mask)) * hd;
         for (int64_t off = 0; off < 4 * hd; off += 64 / (int64_t)sizeof(T)) __builtin_prefetch(p + off, 0, 3);
       }
     }
-    for (int j = 0; j < cnt; j += 4) {  // this group's V rows, for pass 2 (a (sequence, head)'s V fits in L2)
+    for (int j = 0; pf_cur && j < cnt; j += 4) {  // this group's V rows, for pass 2 (a (sequence, head)'s V fits in L2)
       const T* p = vp + (kt[j] - kp);
       for (int64_t off = 0; off < std::min<int64_t>(4, cnt - j) * hd; off += 64 / (int64_t)sizeof(T))
         __builtin_prefetch(p + off, 0, 2);
@@ -424,6 +436,7 @@ static void paged_decode_attention_impl(
     std::vector<float> qf;  // this (sequence, kv head)'s G query rows in fp32, converted once
     std::vector<at::BFloat16> qb;  // the same rows in bf16 (AVX-512 bf16 dot products)
     std::vector<uint32_t> pb;  // the softmax weights as bf16 pairs (AVX-512, bf16 query and cache)
+    bool prefetched_next = false;  // v2: this task's K and V were prefetched during the previous one
     for (int64_t task = begin; task < end; ++task) {
       const int64_t d = task / kvh, h = task % kvh;
       const int64_t ctx = lens[d];
@@ -432,21 +445,30 @@ static void paged_decode_attention_impl(
       scores.resize(G * n);
       acc.assign(G * hd, 0.f);
       const int64_t* row = bt + d * MB;
-      NextK nk;  // v2: the next task's K, prefetched during this task's softmax and pass 2
+      // v2: the next task's K and V, prefetched into L2 during this task (AVX-512 path), so that its pass 1
+      // skips its own in-pass prefetches (`prefetched`)
+      NextK nk;
       NextK* nkp = nullptr;
-      if (v2 && task + 1 < end) {
+      const bool prefetched = v2 && prefetched_next;
+      prefetched_next = false;
+#ifdef TM_AVX512
+      if (v2 && task + 1 < end && hd % 16 == 0 && (bs & (bs - 1)) == 0) {
         const int64_t d2 = (task + 1) / kvh, ctx2 = lens[d2];
         const int64_t s2 = (window > 0 && ctx2 > window) ? ctx2 - window : 0;
         nk.base = reinterpret_cast<const char*>(kp);
+        nk.vbase = reinterpret_cast<const char*>(vp);
         nk.row = bt + d2 * MB;
         nk.kvh = kvh;
         nk.h = (task + 1) % kvh;
         nk.chunk = bs * hd * (int64_t)sizeof(T);
-        nk.b = s2 / bs;
+        nk.b0 = nk.b = s2 / bs;
         nk.b1 = (ctx2 + bs - 1) / bs;
         nkp = &nk;
+        prefetched_next = true;
       }
+#endif
       (void)nkp;
+      (void)prefetched;
       qf.resize(G * hd);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t e = 0; e < hd; ++e) qf[g * hd + e] = to_f(qp[d * qs0 + (h * G + g) * qs1 + e]);
@@ -466,14 +488,14 @@ static void paged_decode_attention_impl(
             for (int64_t g = 0; g < G; ++g)
               std::memcpy(qb.data() + g * hd, qp + d * qs0 + (h * G + g) * qs1, hd * sizeof(at::BFloat16));
             scores16<true, T>(nullptr, qb.data(), kp, vp, row, ksc, kvh, h, bs, hd, start, ctx, G, fscale,
-                              scores.data(), n, pf_ahead);
+                              scores.data(), n, pf_ahead, nkp, !prefetched);
           } else {
             scores16<false, T>(qf.data(), nullptr, kp, vp, row, ksc, kvh, h, bs, hd, start, ctx, G, fscale,
-                               scores.data(), n, pf_ahead);
+                               scores.data(), n, pf_ahead, nkp, !prefetched);
           }
         } else {
           scores16<false, T>(qf.data(), nullptr, kp, vp, row, ksc, kvh, h, bs, hd, start, ctx, G, fscale,
-                             scores.data(), n, pf_ahead);
+                             scores.data(), n, pf_ahead, nkp, !prefetched);
         }
       }
 #endif
