@@ -16,8 +16,9 @@ the read bandwidth measured in the same run (`x.sum` over 256 MiB) and FLOPs / t
 run (oneDNN bf16 or `torch._int_mm` at a large shape). `decoder_stack` whole is timed too (the sum of the ops
 includes Python dispatch per op; the whole stack does not).
 
---compare-attention also times `paged_decode_attention` with the session-9 decode attention off
-(`kernels.set_decode_attention(False)`: the previous kernel, the reference) in the same process, alternating.
+--compare-attention also times `paged_decode_attention` and the whole `decoder_stack` with the session-9 decode
+attention off (`kernels.set_decode_attention(False)`: the previous kernel, the reference) in the same process,
+alternating (best of 3 medians each).
 """
 
 from __future__ import annotations
@@ -223,8 +224,21 @@ def profile(model, stack, step: Step, reps: int, rates: dict, bw: float, compare
         xs = step.x0.clone()
         k.decoder_stack(xs, pos, cos, sin, w, kinds, c, slots, bt, ctx, stack.final_norm, eps, stack.scale, 0,
                         nh, nkv, hd, inter)
-    t = timed(whole, reps)
-    rows.append(("decoder_stack (whole, one call)", t * 1e3, 0, 0, 0.0))
+    if compare_attn and hasattr(k, "set_decode_attention"):
+        prev = k.set_decode_attention(False)
+        try:
+            t_old, t_new = [], []
+            for _ in range(3):
+                k.set_decode_attention(False)
+                t_old.append(timed(whole, reps))
+                k.set_decode_attention(True)
+                t_new.append(timed(whole, reps))
+        finally:
+            k.set_decode_attention(prev)
+        rows.append(("decoder_stack (whole, one call; previous attention)", min(t_old) * 1e3, 0, 0, 0.0))
+        rows.append(("decoder_stack (whole, one call)", min(t_new) * 1e3, 0, 0, 0.0))
+    else:
+        rows.append(("decoder_stack (whole, one call)", timed(whole, reps) * 1e3, 0, 0, 0.0))
     return rows
 
 

@@ -195,10 +195,9 @@ static inline __m512 transpose_sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// The reference kernel prefetched K one block (16 tokens) ahead; the session-9 kernel (g_attn_v2) prefetches
-// pf_ahead tokens ahead (several blocks: one DRAM round trip is longer than one block's compute) and the next
-// task's first blocks while the current task runs.
-static constexpr int64_t PF_REF = 16;
+// The reference kernel prefetches K one block (16 tokens) ahead and V as pass 1 reads K; the session-9 kernel
+// (g_attn_v2) does that, pf_ahead tokens ahead, only for a thread's first task: later tasks' K and V were
+// prefetched during the task before (NextK).
 // pass 1, 16 tokens at a time: scores[g * n + i] = (q_g . k_(start+i)) * scale * (int8: the block's K scale).
 // DP: the query is bf16 and so is the cache: pairs of bf16 products summed by vdpbf16ps (exact products, fp32
 // sums); otherwise the query in fp32 (qf) against K converted to fp32.
@@ -385,9 +384,10 @@ static bool attend_v16_dispatch(int64_t G, const T* vp, const int64_t* row, cons
 // The session-9 decode attention (TOKENMILL_DECODE_ATTN=1, the default; 0 or set_decode_attention(false) keeps the
 // reference kernel): the same per-(sequence, kv head) math in the same order, so the same bits, with (1) the
 // (sequence, kv head) tasks split between threads by their token counts instead of by task count (contexts differ
-// by up to 8x in a step: an even split by count left one thread idle for much of the call); (2) K prefetched
-// g_pf_ahead tokens ahead instead of one block, and the next task's first blocks prefetched during the current
-// one; (3) an int8 (or fp32-query) K row converted to fp32 once for all G query heads of its kv head.
+// by up to 8x in a step: an even split by count can leave one thread idle for much of the call); (2) the next
+// task's K and V prefetched into L2 a few lines at a time across the current task's pass 1 and pass 2 (NextK), so
+// the memory streams through the softmax and pass 2 too, where the reference kernel's memory idled (its
+// prefetches ran only in pass 1, one block ahead); (3) the softmax maximum taken 16 lanes at a time.
 static bool attn_env_default() {
   const char* v = std::getenv("TOKENMILL_DECODE_ATTN");
   return v == nullptr || std::strcmp(v, "0") != 0;
