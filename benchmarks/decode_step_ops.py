@@ -14,7 +14,9 @@ the step reads its KV from DRAM as the engine's steps do, not from a warm L3.
 Per op and step: median ms (all layers of that op, --reps repetitions), and its floor: the larger of bytes read /
 the read bandwidth measured in the same run (`x.sum` over 256 MiB) and FLOPs / the GEMM rate measured in the same
 run (oneDNN bf16 or `torch._int_mm` at a large shape). `decoder_stack` whole is timed too (the sum of the ops
-includes Python dispatch per op; the whole stack does not).
+includes Python dispatch per op; the whole stack does not). The head row is what the engine runs for an all-greedy
+step (`LlamaModel.greedy_tokens`); where that is not the module path, the module path (logits + argmax_rows) is
+timed beside it and left out of the sum.
 
 --compare-attention also times `paged_decode_attention` and the whole `decoder_stack` with the session-9 decode
 attention off (`kernels.set_decode_attention(False)`: the previous kernel, the reference) in the same process,
@@ -207,18 +209,16 @@ def profile(model, stack, step: Step, reps: int, rates: dict, bw: float, compare
 
     head = model.packed_head
     hidden = torch.randn(B, H).to(dtype)
-    if head is not None and head.applies(hidden):
-        head_fn = lambda: head.greedy(hidden)  # noqa: E731
-        hname = "lm_head + argmax (packed kernel)"
-    else:
-        out_tok = torch.empty(B, dtype=torch.long)
-        head_fn = lambda: k.argmax_rows(out_tok, model.compute_logits(hidden, float32=False))  # noqa: E731
-        hname = "lm_head + argmax (module path)"
-    hw = model.tied_head if model.lm_head is None and model.tied_head is not None else model.lm_head
     V = model.cfg.vocab_size
     hbytes = V * H * (1 if model.int8_head else dtype.itemsize)
-    add(hname, head_fn, hbytes, 2 * B * V * H, "int8" if model.int8_head else rate)
-    del hw
+    hrate = "int8" if model.int8_head else rate
+    out_tok = torch.empty(B, dtype=torch.long)
+    if head is None or not head.applies(hidden):  # what the engine ran for greedy steps of this size before
+        add("lm_head + argmax (module path: logits, then argmax_rows)",
+            lambda: k.argmax_rows(out_tok, model.compute_logits(hidden, float32=False)), hbytes, 2 * B * V * H, hrate)
+    if head is not None and head.applies_greedy(hidden):  # what the engine runs now (runner: greedy_tokens)
+        name = "lm_head + argmax (packed kernel)" if head.applies(hidden) else "lm_head + argmax (int8 GEMM + fused argmax)"
+        add(name, lambda: head.greedy(hidden), hbytes, 2 * B * V * H, hrate)
 
     def whole():
         xs = step.x0.clone()
@@ -291,7 +291,7 @@ def main():
             for op, ms, nb, fl, floor in rows:
                 if args.only_attention and "attention" not in op:
                     continue
-                if not op.startswith("decoder_stack") and "previous" not in op:
+                if not op.startswith("decoder_stack") and "previous" not in op and "module path" not in op:
                     total += ms
                 ratio = f"{ms / floor:.2f}" if floor else "-"
                 print(f"| {op} | {ms:.3f} | {nb / 1e6:.1f} | {fl / 1e9:.3f} | {floor:.3f} | {ratio} |")

@@ -1593,6 +1593,7 @@ bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torc
 void register_lm_head(pybind11::module& m);  // csrc/lm_head.cpp
 void register_decode_gemv(pybind11::module& m);  // csrc/decode_gemv.cpp
 void register_mixed_stack(pybind11::module& m);  // csrc/mixed_stack.cpp
+void register_head_argmax(pybind11::module& m);  // csrc/head_argmax.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32/bf16 q, any KV dtype)",
@@ -1627,4 +1628,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_lm_head(m);
   register_decode_gemv(m);
   register_mixed_stack(m);
+  register_head_argmax(m);
 }
