@@ -39,7 +39,7 @@ def _isa_flags() -> tuple[str, list[str]]:
 
 # the extension's C++ sources (one module; paged_decode.cpp holds the module definition, which registers the rest)
 SOURCES = ["paged_decode.cpp", "prefill_attention.cpp", "lm_head.cpp", "decode_gemv.cpp", "mixed_stack.cpp",
-           "decode_step.cpp"]
+           "decode_step.cpp", "head_argmax.cpp"]
 HEADERS = ["simd_exp.h"]  # included by the sources: part of the build digest
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # storage types; the math is fp32 in both
 
@@ -58,6 +58,9 @@ def get_kernels():
     gemv = os.environ.get("TOKENMILL_DECODE_GEMV", "1")  # csrc/decode_gemv.cpp reads it; 0 = linear_small_vnni's loop
     if gemv not in ("0", "1"):
         raise ValueError(f"TOKENMILL_DECODE_GEMV must be 0 or 1, got {gemv!r}")
+    attn = os.environ.get("TOKENMILL_DECODE_ATTN", "1")  # csrc/paged_decode.cpp reads it; 0 = the reference kernel
+    if attn not in ("0", "1"):
+        raise ValueError(f"TOKENMILL_DECODE_ATTN must be 0 or 1, got {attn!r}")
     _state["mod"] = None
     if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
         return None

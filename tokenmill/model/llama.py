@@ -185,6 +185,6 @@ class LlamaModel(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [N, hidden] -> [N] int64, each row's argmax of `compute_logits(hidden)` (exactly), computed by
         the packed head without writing the logits; None where the packed head does not apply."""
-        if self.packed_head is None or not self.packed_head.applies(hidden):
+        if self.packed_head is None or not self.packed_head.applies_greedy(hidden):
             return None
         return self.packed_head.greedy(hidden)

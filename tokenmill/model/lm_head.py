@@ -42,6 +42,9 @@ class PackedHead:
     def applies(self, h: torch.Tensor) -> bool:
         return h.dtype == torch.bfloat16 and h.device.type == "cpu" and h.dim() == 2 and h.shape[1] == self.hidden
 
+    def applies_greedy(self, h: torch.Tensor) -> bool:
+        return self.applies(h)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [M, K] bf16 -> [M, V] bf16."""
         out = torch.empty(h.shape[0], self.vocab, dtype=torch.bfloat16)
@@ -60,9 +63,13 @@ class Int8PackedHead:
     prepacked for vpdpbusd; logits in the hidden states' dtype (rows quantized per token as everywhere in W8A8,
     exact int32 sums, one fp32 epilogue shared by `logits` and `greedy`), batch-invariant like PackedHead."""
 
-    def __init__(self, kernels, packed: torch.Tensor, wsum: torch.Tensor, sw: torch.Tensor, vocab: int, hidden: int):
+    def __init__(self, kernels, packed: torch.Tensor, wsum: torch.Tensor, sw: torch.Tensor, vocab: int, hidden: int,
+                 w8_t: torch.Tensor | None = None):
         self.kernels, self.packed, self.wsum, self.sw = kernels, packed, wsum, sw
         self.vocab, self.hidden = vocab, hidden
+        # above MAX_ROWS: the head Linear's [K, V] int8 weight for torch._int_mm, then csrc/head_argmax.cpp (the
+        # greedy token through dequant_rows' epilogue without the logits); None: those steps keep the module path
+        self.w8_t = w8_t if w8_t is not None and hasattr(kernels, "head_argmax_int8") else None
 
     @classmethod
     def build(cls, head) -> "Int8PackedHead | None":
@@ -83,7 +90,7 @@ class Int8PackedHead:
         wsum[:v] = head.w8_sum
         sw = torch.zeros(pad, dtype=torch.float32)
         sw[:v] = head.w_scale
-        return cls(k, k.lm_head_pack_int8(w8), wsum, sw, v, h)
+        return cls(k, k.lm_head_pack_int8(w8), wsum, sw, v, h, getattr(head, "w8_t", None))
 
     # measured (benchmarks/lm_head_kernels.py): 1.3-4x the Int8LinearMethod path + argmax_rows up to 8 rows, but
     # 0.85-1.0x at 33-64 rows, where torch._int_mm is faster; the logits are the same bits either way
@@ -93,12 +100,29 @@ class Int8PackedHead:
         return (h.dtype in (torch.bfloat16, torch.float32) and h.device.type == "cpu" and h.dim() == 2
                 and h.shape[1] == self.hidden and h.shape[0] <= self.MAX_ROWS)
 
+    def applies_greedy(self, h: torch.Tensor) -> bool:
+        """`greedy(h)` runs: `applies`, or more rows with the int8 GEMM + fused argmax (any row count)."""
+        if self.applies(h):
+            return True
+        return (self.w8_t is not None and h.dtype in (torch.bfloat16, torch.float32) and h.device.type == "cpu"
+                and h.dim() == 2 and h.shape[1] == self.hidden and h.shape[0] > 0)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         out = torch.empty(h.shape[0], self.vocab, dtype=h.dtype)
         self.kernels.lm_head_int8(out, h.contiguous(), self.packed, self.wsum, self.sw, self.vocab)
         return out
 
     def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """The argmax per row of the head's logits in h's dtype (exactly: the same epilogue and rounding)."""
         out = torch.empty(h.shape[0], dtype=torch.long)
-        self.kernels.lm_head_argmax_int8(out, h.contiguous(), self.packed, self.wsum, self.sw, self.vocab)
+        h = h.contiguous()
+        if h.shape[0] <= self.MAX_ROWS:
+            self.kernels.lm_head_argmax_int8(out, h, self.packed, self.wsum, self.sw, self.vocab)
+            return out
+        # more rows: Int8LinearMethod's quantize + torch._int_mm (faster than the packed kernel here), then the
+        # dequant epilogue and the argmax in one pass, without the [rows, vocab] logits
+        q = torch.empty(h.shape, dtype=torch.int8)
+        sx = torch.empty(h.shape[0], dtype=torch.float32)
+        self.kernels.quantize_rows(q, sx, h)
+        self.kernels.head_argmax_int8(out, torch._int_mm(q, self.w8_t), sx, self.sw, h.dtype == torch.bfloat16)
         return out

@@ -10,6 +10,8 @@
 #include <limits>
 #include <algorithm>
 #include <type_traits>
+#include <atomic>
+#include <cstdlib>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -61,6 +63,35 @@ template <typename T> static inline T from_f(float v) { return static_cast<T>(v)
     using scalar_t = at::BFloat16;                                                           \
     return __VA_ARGS__();                                                                    \
   }()
+
+// The next (sequence, kv head) task's K blocks, prefetched into L2 a few cache lines at a time while the current
+// task's softmax and pass 2 run (they read only what pass 1 brought into L1/L2, so without this the memory would
+// idle through them); pass 1 of the next task then finds its K in L2 and the memory streams that task's V.
+// With `vbase` set it then takes the next task's V blocks too (spread over this task's pass 1 and pass 2).
+struct NextK {
+  const char* base = nullptr;
+  const char* vbase = nullptr;
+  const int64_t* row = nullptr;
+  int64_t kvh = 0, h = 0, chunk = 0, b0 = 0, b = 0, b1 = 0, off = 0;
+  int64_t lines_left() const {
+    const int64_t k = b < b1 ? ((b1 - b) * chunk - off) / 64 : 0;
+    return k + (vbase ? (b1 - b0) * chunk / 64 : 0);
+  }
+  inline void step(int64_t lines) {
+    for (; lines > 0 && b < b1; --lines) {
+      __builtin_prefetch(base + (row[b] * kvh + h) * chunk + off, 0, 2);
+      off += 64;
+      if (off >= chunk) {
+        off = 0;
+        if (++b == b1 && vbase) {  // K done: now the V blocks
+          base = vbase;
+          vbase = nullptr;
+          b = b0;
+        }
+      }
+    }
+  }
+};
 
 #ifdef TM_AVX2
 // pass 2 of decode attention, register-tiled: acc[g][e0 : e0 + 8*CH] for the TG query heads of one kv head stay
@@ -164,9 +195,9 @@ static inline __m512 transpose_sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-#ifndef TM_PF_AHEAD
-#define TM_PF_AHEAD 16
-#endif
+// The reference kernel prefetches K one block (16 tokens) ahead and V as pass 1 reads K; the session-9 kernel
+// (g_attn_v2) does that, pf_ahead tokens ahead, only for a thread's first task: later tasks' K and V were
+// prefetched during the task before (NextK).
 // pass 1, 16 tokens at a time: scores[g * n + i] = (q_g . k_(start+i)) * scale * (int8: the block's K scale).
 // DP: the query is bf16 and so is the cache: pairs of bf16 products summed by vdpbf16ps (exact products, fp32
 // sums); otherwise the query in fp32 (qf) against K converted to fp32.
@@ -174,9 +205,12 @@ template <bool DP, typename T>
 static void scores16(const float* qf, const at::BFloat16* qb, const T* kp, const T* vp, const int64_t* row,
                      const float* ksc,
                      int64_t kvh, int64_t h, int64_t bs, int64_t hd, int64_t start, int64_t ctx, int64_t G,
-                     float fscale, float* scores, int64_t n) {
+                     float fscale, float* scores, int64_t n, int64_t pf_ahead, NextK* nk, bool pf_cur) {
   const int64_t sh = __builtin_ctzll(bs), mask = bs - 1;  // bs is a power of two (EngineConfig)
+  // half of the next task's lines during this pass, the rest during pass 2
+  const int64_t per = nk ? (nk->lines_left() / 2 + (n + 15) / 16 - 1) / ((n + 15) / 16) : 0;
   for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    if (per) nk->step(per);
     const int64_t cnt = std::min<int64_t>(16, n - i0);
     const T* kt[16];
     float bsc[16];
@@ -186,14 +220,14 @@ static void scores16(const float* qf, const at::BFloat16* qb, const T* kp, const
       kt[j] = kp + ((blk * kvh + h) * bs + (t & mask)) * hd;
       bsc[j] = ksc ? fscale * ksc[blk * kvh + h] : fscale;
     }
-    if (i0 + TM_PF_AHEAD < n) {  // rows TM_PF_AHEAD ahead (scattered blocks): fetch them while this group computes
+    if (pf_cur && i0 + pf_ahead < n) {  // rows pf_ahead ahead (scattered blocks): fetch them while this group computes
       for (int j = 0; j < 16; j += 4) {
-        const int64_t t = start + std::min<int64_t>(i0 + TM_PF_AHEAD + j, n - 1);
+        const int64_t t = start + std::min<int64_t>(i0 + pf_ahead + j, n - 1);
         const T* p = kp + ((row[t >> sh] * kvh + h) * bs + (t & mask)) * hd;
         for (int64_t off = 0; off < 4 * hd; off += 64 / (int64_t)sizeof(T)) __builtin_prefetch(p + off, 0, 3);
       }
     }
-    for (int j = 0; j < cnt; j += 4) {  // this group's V rows, for pass 2 (a (sequence, head)'s V fits in L2)
+    for (int j = 0; pf_cur && j < cnt; j += 4) {  // this group's V rows, for pass 2 (a (sequence, head)'s V fits in L2)
       const T* p = vp + (kt[j] - kp);
       for (int64_t off = 0; off < std::min<int64_t>(4, cnt - j) * hd; off += 64 / (int64_t)sizeof(T))
         __builtin_prefetch(p + off, 0, 2);
@@ -222,7 +256,9 @@ static void scores16(const float* qf, const at::BFloat16* qb, const T* kp, const
 // pass 2, register-tiled as attend_v_tiled: TG query heads x CH chunks of 16 columns stay in registers
 template <int TG, int CH, typename T>
 static void attend_v16(const T* vp, const int64_t* row, const float* vsc, int64_t kvh, int64_t h, int64_t bs,
-                       int64_t hd, int64_t start, int64_t ctx, const float* scores, int64_t n, float* acc) {
+                       int64_t hd, int64_t start, int64_t ctx, const float* scores, int64_t n, float* acc,
+                       NextK* nk) {
+  const int64_t per = nk ? (nk->lines_left() + n * (hd / (16 * CH)) - 1) / std::max<int64_t>(1, n * (hd / (16 * CH))) : 0;
   for (int64_t e0 = 0; e0 < hd; e0 += 16 * CH) {
     __m512 a[TG][CH];
     for (int g = 0; g < TG; ++g)
@@ -235,6 +271,7 @@ static void attend_v16(const T* vp, const int64_t* row, const float* vsc, int64_
         const T* vt = vb + (t - b * bs) * hd;
         __m512 p[TG];
         for (int g = 0; g < TG; ++g) p[g] = _mm512_set1_ps(scores[g * n + (t - start)] * vs);
+        if (per) nk->step(per);
         for (int c = 0; c < CH; ++c) {
           const __m512 v16 = load16(vt + 16 * c);
           for (int g = 0; g < TG; ++g) a[g][c] = _mm512_fmadd_ps(p[g], v16, a[g][c]);
@@ -252,8 +289,10 @@ static void attend_v16(const T* vp, const int64_t* row, const float* vsc, int64_
 // The interleave permutes columns within 128-bit lanes: lo holds columns 8k..8k+3, hi 8k+4..8k+7 of lane k.
 template <int TG, int CH>
 static void attend_v_dp(const at::BFloat16* vp, const int64_t* row, int64_t kvh, int64_t h, int64_t bs, int64_t hd,
-                        int64_t start, int64_t n, const uint32_t* pb, int64_t np, float* acc) {
+                        int64_t start, int64_t n, const uint32_t* pb, int64_t np, float* acc, NextK* nk) {
   const int64_t sh = __builtin_ctzll(bs), mask = bs - 1;
+  const int64_t iters = std::max<int64_t>(1, np * (hd / (32 * CH)));
+  const int64_t per = nk ? (nk->lines_left() + iters - 1) / iters : 0;
   for (int64_t e0 = 0; e0 < hd; e0 += 32 * CH) {
     __m512 lo[TG][CH], hi[TG][CH];
     for (int g = 0; g < TG; ++g)
@@ -264,6 +303,7 @@ static void attend_v_dp(const at::BFloat16* vp, const int64_t* row, int64_t kvh,
       const at::BFloat16* vb = vp + ((row[tb >> sh] * kvh + h) * bs + (tb & mask)) * hd + e0;
       __m512bh p[TG];
       for (int g = 0; g < TG; ++g) p[g] = (__m512bh)_mm512_set1_epi32((int)pb[g * np + i]);
+      if (per) nk->step(per);
       for (int c = 0; c < CH; ++c) {
         const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb + 32 * c);
         const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(a, b), u = (__m512bh)_mm512_unpackhi_epi16(a, b);
@@ -305,12 +345,12 @@ static void weights_to_bf16_pairs(const float* scores, int64_t G, int64_t n, std
 
 static bool attend_v_dp_dispatch(int64_t G, const at::BFloat16* vp, const int64_t* row, int64_t kvh, int64_t h,
                                  int64_t bs, int64_t hd, int64_t start, int64_t n, const uint32_t* pb, int64_t np,
-                                 float* acc) {
+                                 float* acc, NextK* nk) {
   if (hd % 32) return false;
   const int64_t nch = hd / 32;
 #define TM_TRYDP(TG, CH)                                                                                    \
   if (G == TG && nch % CH == 0) {                                                                           \
-    attend_v_dp<TG, CH>(vp, row, kvh, h, bs, hd, start, n, pb, np, acc);                                    \
+    attend_v_dp<TG, CH>(vp, row, kvh, h, bs, hd, start, n, pb, np, acc, nk);                                \
     return true;                                                                                            \
   }
   TM_TRYDP(1, 4) TM_TRYDP(1, 2) TM_TRYDP(1, 1)
@@ -324,12 +364,12 @@ static bool attend_v_dp_dispatch(int64_t G, const at::BFloat16* vp, const int64_
 template <typename T>
 static bool attend_v16_dispatch(int64_t G, const T* vp, const int64_t* row, const float* vsc, int64_t kvh,
                                 int64_t h, int64_t bs, int64_t hd, int64_t start, int64_t ctx, const float* scores,
-                                int64_t n, float* acc) {
+                                int64_t n, float* acc, NextK* nk) {
   if (hd % 16) return false;
   const int64_t nch = hd / 16;
 #define TM_TRY16(TG, CH)                                                                                    \
   if (G == TG && nch % CH == 0) {                                                                           \
-    attend_v16<TG, CH, T>(vp, row, vsc, kvh, h, bs, hd, start, ctx, scores, n, acc);                        \
+    attend_v16<TG, CH, T>(vp, row, vsc, kvh, h, bs, hd, start, ctx, scores, n, acc, nk);                    \
     return true;                                                                                            \
   }
   TM_TRY16(1, 8) TM_TRY16(1, 4) TM_TRY16(1, 2) TM_TRY16(1, 1)
@@ -340,6 +380,26 @@ static bool attend_v16_dispatch(int64_t G, const T* vp, const int64_t* row, cons
   return false;
 }
 #endif
+
+// The session-9 decode attention (TOKENMILL_DECODE_ATTN=1, the default; 0 or set_decode_attention(false) keeps the
+// reference kernel): the same per-(sequence, kv head) math in the same order, so the same bits, with (1) the
+// (sequence, kv head) tasks split between threads by their token counts instead of by task count (contexts differ
+// by up to 8x in a step: an even split by count can leave one thread idle for much of the call); (2) the next
+// task's K and V prefetched into L2 a few lines at a time across the current task's pass 1 and pass 2 (NextK), so
+// the memory streams through the softmax and pass 2 too, where the reference kernel's memory idled (its
+// prefetches ran only in pass 1, one block ahead); (3) the softmax maximum taken 16 lanes at a time.
+static bool attn_env_default() {
+  const char* v = std::getenv("TOKENMILL_DECODE_ATTN");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+static std::atomic<bool> g_attn_v2{attn_env_default()};
+static std::atomic<int64_t> g_pf_ahead{64};
+
+bool set_decode_attention(bool on) { return g_attn_v2.exchange(on); }
+int64_t set_decode_attention_prefetch(int64_t tokens) {
+  TORCH_CHECK(tokens >= 16 && tokens % 16 == 0, "decode attention prefetch distance: a multiple of 16 tokens");
+  return g_pf_ahead.exchange(tokens);
+}
 
 template <typename TQ, typename T>
 static void paged_decode_attention_impl(
@@ -367,12 +427,16 @@ static void paged_decode_attention_impl(
   const int64_t* lens = ctx_lens.data_ptr<int64_t>();
   const float fscale = (float)scale;
   const int64_t line = 64 / sizeof(T);  // elements per cache line, for prefetching
-  at::parallel_for(0, D * kvh, 1, [&](int64_t begin, int64_t end) {
+  const bool v2 = g_attn_v2.load(std::memory_order_relaxed);
+  const int64_t pf_ahead = v2 ? g_pf_ahead.load(std::memory_order_relaxed) : 16;
+  (void)pf_ahead;
+  auto body = [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc;
     std::vector<float> qf;  // this (sequence, kv head)'s G query rows in fp32, converted once
     std::vector<at::BFloat16> qb;  // the same rows in bf16 (AVX-512 bf16 dot products)
     std::vector<uint32_t> pb;  // the softmax weights as bf16 pairs (AVX-512, bf16 query and cache)
+    bool prefetched_next = false;  // v2: this task's K and V were prefetched during the previous one
     for (int64_t task = begin; task < end; ++task) {
       const int64_t d = task / kvh, h = task % kvh;
       const int64_t ctx = lens[d];
@@ -381,6 +445,30 @@ static void paged_decode_attention_impl(
       scores.resize(G * n);
       acc.assign(G * hd, 0.f);
       const int64_t* row = bt + d * MB;
+      // v2: the next task's K and V, prefetched into L2 during this task (AVX-512 path), so that its pass 1
+      // skips its own in-pass prefetches (`prefetched`)
+      NextK nk;
+      NextK* nkp = nullptr;
+      const bool prefetched = v2 && prefetched_next;
+      prefetched_next = false;
+#ifdef TM_AVX512
+      if (v2 && task + 1 < end && hd % 16 == 0 && (bs & (bs - 1)) == 0) {
+        const int64_t d2 = (task + 1) / kvh, ctx2 = lens[d2];
+        const int64_t s2 = (window > 0 && ctx2 > window) ? ctx2 - window : 0;
+        nk.base = reinterpret_cast<const char*>(kp);
+        nk.vbase = reinterpret_cast<const char*>(vp);
+        nk.row = bt + d2 * MB;
+        nk.kvh = kvh;
+        nk.h = (task + 1) % kvh;
+        nk.chunk = bs * hd * (int64_t)sizeof(T);
+        nk.b0 = nk.b = s2 / bs;
+        nk.b1 = (ctx2 + bs - 1) / bs;
+        nkp = &nk;
+        prefetched_next = true;
+      }
+#endif
+      (void)nkp;
+      (void)prefetched;
       qf.resize(G * hd);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t e = 0; e < hd; ++e) qf[g * hd + e] = to_f(qp[d * qs0 + (h * G + g) * qs1 + e]);
@@ -393,20 +481,21 @@ static void paged_decode_attention_impl(
 #ifdef TM_AVX512
       if (hd % 16 == 0 && (bs & (bs - 1)) == 0) {
         fast = true;
+
         if constexpr (std::is_same<TQ, at::BFloat16>::value && std::is_same<T, at::BFloat16>::value) {
           if (hd % 32 == 0) {
             qb.resize(G * hd);
             for (int64_t g = 0; g < G; ++g)
               std::memcpy(qb.data() + g * hd, qp + d * qs0 + (h * G + g) * qs1, hd * sizeof(at::BFloat16));
             scores16<true, T>(nullptr, qb.data(), kp, vp, row, ksc, kvh, h, bs, hd, start, ctx, G, fscale,
-                              scores.data(), n);
+                              scores.data(), n, pf_ahead, nkp, !prefetched);
           } else {
             scores16<false, T>(qf.data(), nullptr, kp, vp, row, ksc, kvh, h, bs, hd, start, ctx, G, fscale,
-                               scores.data(), n);
+                               scores.data(), n, pf_ahead, nkp, !prefetched);
           }
         } else {
           scores16<false, T>(qf.data(), nullptr, kp, vp, row, ksc, kvh, h, bs, hd, start, ctx, G, fscale,
-                             scores.data(), n);
+                             scores.data(), n, pf_ahead, nkp, !prefetched);
         }
       }
 #endif
@@ -461,7 +550,20 @@ static void paged_decode_attention_impl(
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
         float m = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) m = sg[i] > m ? sg[i] : m;
+        int64_t i0 = 0;
+#ifdef TM_AVX512
+        if (v2) {  // the same maximum (NaNs skipped as the scalar loop skips them), 16 lanes at a time
+          __m512 mv = _mm512_set1_ps(m);
+          for (; i0 + 16 <= n; i0 += 16) {
+            const __m512 x = _mm512_loadu_ps(sg + i0);
+            mv = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, mv, _CMP_GT_OQ), mv, x);
+          }
+          alignas(64) float lanes[16];
+          _mm512_store_ps(lanes, mv);
+          for (int j = 0; j < 16; ++j) m = lanes[j] > m ? lanes[j] : m;
+        }
+#endif
+        for (int64_t i = i0; i < n; ++i) m = sg[i] > m ? sg[i] : m;
         float sum = 0.f;
         int64_t i = 0;
 #ifdef TM_AVX2
@@ -485,11 +587,11 @@ static void paged_decode_attention_impl(
         if (fast && hd % 32 == 0) {
           int64_t np;
           weights_to_bf16_pairs(scores.data(), G, n, pb, np);
-          dp = attend_v_dp_dispatch(G, vp, row, kvh, h, bs, hd, start, n, pb.data(), np, acc.data());
+          dp = attend_v_dp_dispatch(G, vp, row, kvh, h, bs, hd, start, n, pb.data(), np, acc.data(), nkp);
         }
       }
       const bool tiled = dp || attend_v16_dispatch<T>(G, vp, row, vsc, kvh, h, bs, hd, start, ctx, scores.data(), n,
-                                                acc.data()) ||
+                                                acc.data(), nkp) ||
                          (vec && attend_v_dispatch<T>(G, vp, row, vsc, kvh, h, bs, hd, start, ctx, scores.data(), n,
                                                       acc.data()));
 #elif defined(TM_AVX2)
@@ -530,6 +632,29 @@ static void paged_decode_attention_impl(
         for (int64_t e = 0; e < hd; ++e) o[e] = from_f<TQ>(acc[g * hd + e]);
       }
     }
+  };
+  const int64_t ntask = D * kvh;
+  const int64_t nthr = std::min<int64_t>(at::get_num_threads(), ntask);
+  if (!v2 || nthr <= 1) {
+    at::parallel_for(0, ntask, 1, body);
+    return;
+  }
+  // split the tasks into nthr contiguous ranges of about equal work (tokens read + a fixed cost per task)
+  std::vector<int64_t> cost(ntask + 1, 0);
+  for (int64_t t = 0; t < ntask; ++t) {
+    const int64_t c = lens[t / kvh];
+    cost[t + 1] = cost[t] + std::min<int64_t>(c, window > 0 ? window : c) + 32;
+  }
+  std::vector<int64_t> cut(nthr + 1, ntask);
+  cut[0] = 0;
+  for (int64_t c = 1, t = 0; c < nthr; ++c) {
+    const int64_t goal = cost[ntask] * c / nthr;
+    while (t < ntask && cost[t + 1] <= goal) ++t;
+    cut[c] = std::max(cut[c - 1], t);
+  }
+  at::parallel_for(0, nthr, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      if (cut[c] < cut[c + 1]) body(cut[c], cut[c + 1]);
   });
 }
 
@@ -1469,12 +1594,17 @@ void register_lm_head(pybind11::module& m);  // csrc/lm_head.cpp
 void register_decode_gemv(pybind11::module& m);  // csrc/decode_gemv.cpp
 void register_mixed_stack(pybind11::module& m);  // csrc/mixed_stack.cpp
 void register_decode_step(pybind11::module& m);  // csrc/decode_step.cpp
+void register_head_argmax(pybind11::module& m);  // csrc/head_argmax.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32/bf16 q, any KV dtype)",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("ctx_lens"), py::arg("scale"), py::arg("window"), py::arg("k_scales") = py::none(),
         py::arg("v_scales") = py::none());
+  m.def("set_decode_attention", &set_decode_attention, "turn the session-9 decode attention (balanced split, "
+        "prefetch ahead, shared K conversion; same bits) on/off; returns the previous setting");
+  m.def("set_decode_attention_prefetch", &set_decode_attention_prefetch, "the session-9 decode attention's K "
+        "prefetch distance in tokens (a multiple of 16; default 64); returns the previous value (for benchmarks)");
   m.def("write_kv_int8", &write_kv_int8, "quantize this step's K/V into an int8 cache (per-(block, head) scales)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (CPU, fp32/bf16)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection (CPU, fp32/bf16)");
@@ -1500,4 +1630,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_gemv(m);
   register_mixed_stack(m);
   register_decode_step(m);
+  register_head_argmax(m);
 }
