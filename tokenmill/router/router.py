@@ -189,7 +189,8 @@ class Router:
         """Policy + admission for ctx now. On the table (RouterConfig.snapshot "table", the default) when the
         policy and admission mode have a table form and this router estimates hits with its prefix index:
         the same decision, and the returned snapshot holds only the chosen worker's view and that of one worker
-        with the longest prefix hit (what `_dispatch` reads); otherwise on the full snapshot (a view of every worker)."""
+        with the longest prefix hit (what `_dispatch` reads); otherwise on the full snapshot (a view of every
+        worker)."""
         if self._on_table(ctx):
             return self._decide_on_table(ctx, held)
         self.decisions["full"] += 1
