@@ -61,7 +61,13 @@ SPLIT_LABELS = {  # (module, class or None, attribute) -> label; router.snapshot
     ("tokenmill.bench.workloads.trace", "Trace", "session"): "trace planning",
     ("tokenmill.sim.cluster", None, "chunk_hashes"): "router chunk hashes",
     ("tokenmill.sim.worker", "SimWorker", "cached_prefix_tokens"): "dispatch prefix lookup",
+    # the per-request floor: work on every prompt token, and the real scheduler's calls
+    ("tokenmill.sim.cluster", None, "block_hashes_of_array"): "KV block hashes",
+    ("tokenmill.bench.session", "Turn", "digest"): "record digest",
+    ("tokenmill.bench.session", "Turn", "flat_tokens"): "prompt array",
+    ("tokenmill.engine.scheduler", "Scheduler", "schedule"): "Scheduler.schedule",
 }
+CALLS: collections.Counter = collections.Counter()  # calls per label (--split)
 
 
 def _instrument(acc: collections.Counter) -> None:
@@ -78,6 +84,7 @@ def _instrument(acc: collections.Counter) -> None:
                 return _fn(*a, **k)
             finally:
                 acc[_label] += time.perf_counter() - t
+                CALLS[_label] += 1
 
         setattr(owner, attr, timed)
 
@@ -126,10 +133,12 @@ def main() -> None:
                             load=LoadConfig("rate", rate=w * args.per_worker_rate, duration_s=args.duration),
                             plots=False, record_chunks=False, fast_forward=ff, block_size=bs)
             split.clear()
+            CALLS.clear()
             t0 = time.perf_counter()
             result, sim = run_simulation(cfg)
             if args.split and (ff, bs, snap) == variants[0]:
-                splits.append((w, result.runs[0].summary.requests, sim["levels"][0]["wall_s"], dict(split)))
+                splits.append((w, result.runs[0].summary.requests, sim["levels"][0]["wall_s"], dict(split),
+                               dict(CALLS)))
             lvl = dict(sim["levels"][0], total_s=time.perf_counter() - t0, block_size=sim["worker"]["block_size"])
             runs.append((result, lvl))
         (result, lvl), s = runs[0], runs[0][0].runs[0].summary
@@ -172,11 +181,14 @@ def main() -> None:
         labels = list(SPLIT_LABELS.values())
         print("| workers | loop ms/request | " + " | ".join(labels) + " | other (engine, events) | routing per worker |")
         print("|---:|---:|" + "---:|" * (len(labels) + 2))
-        for w, req, wall, acc in splits:
+        for w, req, wall, acc, calls in splits:
             per = {k: 1e6 * acc.get(k, 0.0) / req for k in labels}
             other = 1e6 * wall / req - sum(v for k, v in per.items() if k != "router.snapshot")
             print(f"| {w} | {1e3 * wall / req:.2f} | " + " | ".join(f"{per[k]:.0f}" for k in labels) +
                   f" | {other:.0f} | {per['router.decide'] / w:.1f} |")
+        print("\ncalls per request and us per call:", "; ".join(
+            f"{k} {calls.get(k, 0) / req:.2f} x {1e6 * acc.get(k, 0.0) / max(1, calls.get(k, 0)):.1f}"
+            for k in labels))
     x = np.array([[ev, req, req * w] for w, req, steps, ev, *_ in rows], dtype=float)
     y = np.array([r[4] for r in rows])
     from tokenmill.sim.cost_model import nnls

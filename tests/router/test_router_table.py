@@ -148,7 +148,17 @@ def _run(seed: int, policy: str, mode: str, steps: int = 400) -> dict:
         assert sides[0].log == sides[1].log, seed
         assert sorted(sides[0].flights) == sorted(sides[1].flights), seed
     assert sides[1].r.decisions["table"] == 0
+    # the dispatch's bookkeeping from the (reduced) table snapshot equals the full snapshot's: the decision
+    # reasons with longest / shorter hit, and the hit tokens and predicted TTFT per worker
+    for name in ("decisions", "prefix_hit_tokens", "predicted_ttft", "routed"):
+        assert _samples(sides[0].r, name) == _samples(sides[1].r, name), (seed, name)
     return sides[0].r.decisions
+
+
+def _samples(router, name: str) -> list:
+    return sorted((s.name, tuple(sorted(s.labels.items())), s.value)
+                  for m in getattr(router.metrics, name).collect() for s in m.samples
+                  if not s.name.endswith("_created"))  # (a wall-clock time)
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))

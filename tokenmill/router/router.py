@@ -188,8 +188,9 @@ class Router:
     def decide(self, ctx: RequestCtx, held: bool = False) -> tuple[Admission, RouteSnapshot, dict[str, int]]:
         """Policy + admission for ctx now. On the table (RouterConfig.snapshot "table", the default) when the
         policy and admission mode have a table form and this router estimates hits with its prefix index:
-        the same decision, and the returned snapshot holds only the views it looked at (the chosen worker's
-        and those with a prefix hit); otherwise on the full snapshot (a view of every worker)."""
+        the same decision, and the returned snapshot holds only the chosen worker's view and that of one worker
+        with the longest prefix hit (what `_dispatch` reads); otherwise on the full snapshot (a view of every
+        worker)."""
         if self._on_table(ctx):
             return self._decide_on_table(ctx, held)
         self.decisions["full"] += 1
@@ -248,9 +249,15 @@ class Router:
         else:
             adm = admit_on_table(ts, choice, ctx.cls, self.cfg.classes, self.cfg.admission,
                                  self.queues.room(ctx.cls), held)
-        looked = {i for i in hits}
+        # the views `_dispatch` reads: the chosen worker's, and one with the longest hit among the routable,
+        # not excluded workers (its `longest`; every other worker's hit is 0 or no longer) -- not a view per
+        # holder of a popular prefix (hundreds at 1,000 workers)
+        looked = set()
         if adm.worker is not None:
             looked.add(table.col[adm.worker])
+        live = [i for i in hits if mask[i]]
+        if live:
+            looked.add(max(live, key=lambda i: (cached[i], -i)))
         views = tuple(table.workers[i].view(int(cached[i]), now) for i in sorted(looked))
         return adm, RouteSnapshot(views, req), chunks
 

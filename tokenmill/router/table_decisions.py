@@ -57,7 +57,13 @@ def _queue_s(d: np.ndarray, p: PolicyParams) -> np.ndarray:
 
 
 def _uncached(ts: TableSnapshot) -> np.ndarray:
-    return np.maximum(0.0, ts.request.prompt_tokens - ts.cached)
+    """max(0, prompt tokens - cached) per worker; computed once per snapshot (the policy and admission both
+    read it)."""
+    unc = ts.__dict__.get("_uncached")
+    if unc is None:
+        unc = np.maximum(0.0, ts.request.prompt_tokens - ts.cached)
+        object.__setattr__(ts, "_uncached", unc)
+    return unc
 
 
 def round_robin(ts: TableSnapshot, p: PolicyParams) -> RouteChoice:
@@ -115,9 +121,10 @@ def prefix_load(ts: TableSnapshot, p: PolicyParams) -> RouteChoice:
     best = _lexmin(idx, cost, out, queue, ts.url_rank)
     o = out[idx]
     least = o.min()
-    allowed = idx[~((o - least > p.guard_abs) & (o > p.guard_rel * least))]
-    if best in allowed:
+    ob = out[best:best + 1]  # the guard on the cheapest worker alone first (the same test as for `allowed`)
+    if not ((ob - least > p.guard_abs) & (ob > p.guard_rel * least))[0]:
         return RouteChoice(ts.urls[best], "least-cost")
+    allowed = idx[~((o - least > p.guard_abs) & (o > p.guard_rel * least))]
     spread = _lexmin(allowed, cost, out, queue, ts.url_rank)
     col = slice(spread, spread + 1)
     if _predicted_ttft(d, _uncached(ts)[col], col)[0] <= r.ttft_budget_s:
@@ -150,20 +157,32 @@ def admit(ts: TableSnapshot, choice: RouteChoice, cls: WorkloadClass, classes: t
         raise ValueError(f"admission mode {cfg.mode!r} is not decided on the table")
     budget = cls.ttft_slo_s - (r.now - r.arrival_s)  # admission.ttft_budget_s
     idle_budget = idle_budget_s(cls, classes, cfg)
-    pred = _predicted_ttft(d, unc)
-    idle = (d[OUTSTANDING] == 0) & (d[EXTERNAL] == 0)
-    if cfg.check_tpot:
-        tpot_ok = d[TPOT_BASE] + d[TPOT_PER_STREAM] * (d[DECODE_STREAMS] + 1) <= cls.tpot_slo_s
-        meets = idle | (tpot_ok & (pred * d[ERROR_HI] * d[MARGIN] <= min(budget, idle_budget)))
-    else:
-        meets = idle | (pred * d[ERROR_HI] * d[MARGIN] <= min(budget, idle_budget))
-    meeting = idx[meets[idx]]
-    if len(meeting):
-        warm = (d[RATE_SAMPLES] >= cfg.warmup_samples) | (d[PREFILL_TOKENS] == 0)
-        own = d[CALIBRATION] * (d[BASE] * 1 + unc / d[RATE])  # snapshot.own_prefill_s
-        deadline = d[DEADLINE]
+
+    def meets_polite(cols):
+        """(predicted TTFT, meets its SLO, polite) of the workers in `cols` (all: slice(None))."""
+        dc = d[:, cols]
+        pred = _predicted_ttft(d, unc[cols], cols)
+        idle = (dc[OUTSTANDING] == 0) & (dc[EXTERNAL] == 0)
+        if cfg.check_tpot:
+            tpot_ok = dc[TPOT_BASE] + dc[TPOT_PER_STREAM] * (dc[DECODE_STREAMS] + 1) <= cls.tpot_slo_s
+            meets = idle | (tpot_ok & (pred * dc[ERROR_HI] * dc[MARGIN] <= min(budget, idle_budget)))
+        else:
+            meets = idle | (pred * dc[ERROR_HI] * dc[MARGIN] <= min(budget, idle_budget))
+        warm = (dc[RATE_SAMPLES] >= cfg.warmup_samples) | (dc[PREFILL_TOKENS] == 0)
+        own = dc[CALIBRATION] * (dc[BASE] * 1 + unc[cols] / dc[RATE])  # snapshot.own_prefill_s
+        deadline = dc[DEADLINE]
         slack_ok = (deadline == np.inf) | (own <= deadline - r.now)
         polite = idle | (warm & slack_ok)
+        return pred, meets, polite
+
+    # the chosen worker alone first: when it meets the SLO and is polite it is admitted (below: `best =
+    # chosen`), and no other worker's prediction is needed -- the same element-wise operations on one column
+    pred_c, meets_c, polite_c = meets_polite(slice(chosen, chosen + 1))
+    if meets_c[0] and polite_c[0]:
+        return Admission("admit", ts.urls[chosen], float(pred_c[0]))
+    pred, meets, polite = meets_polite(slice(None))
+    meeting = idx[meets[idx]]
+    if len(meeting):
         nice = meeting[polite[meeting]]
         if polite[chosen] and meets[chosen]:
             best = chosen

@@ -74,7 +74,8 @@ def plan(sched, scheduler, kv, shape: StepShape, step0_s: float, now: float, cos
     computed0 = [q.start_pos for q in sched.seqs]
     # steps (the first included) until the first request finishes: its output reaches max_tokens, or the
     # sequence reaches max_model_len (num_tokens counts the token this step consumes, not the one it makes)
-    n = min(min(r.params.max_tokens - len(r.output_token_ids), max_model_len - r.num_tokens) for r in reqs)
+    n = min(min([r.params.max_tokens - len(r.output_token_ids) for r in reqs]),
+            max_model_len - max([len(r.all_token_ids) for r in reqs]))  # (r.num_tokens = len(r.all_token_ids))
     if n < 2:
         return None
     bs = kv.block_size
