@@ -9,7 +9,7 @@ The engine's phases are timed by wrapping their Python entry points with a wall 
     plan       SpecDecoder.plan (k per sequence)          schedule   Scheduler.schedule less plan
     draft      SpecDecoder.propose (the proposer: draft-model steps / n-gram lookup)
     verify fwd ModelRunner.execute (the target's forward: 1 row off, k+1 rows speculating)
-    accept     SpecDecoder.verify (greedy / rejection), rollback   SpecDecoder.rollback (KV cut)
+    accept     SpecDecoder.verify / verify_argmax (greedy / rejection), rollback   SpecDecoder.rollback (KV cut)
     post       the rest of postprocess (sampling for plain rows, appending tokens, outputs)
     other      the rest of LLMEngine.step (output processor, observe_step, the step's own Python)
     caller     the benchmark loop around step()
@@ -60,6 +60,7 @@ class Timed:
             self._wrap(spec, "plan", "plan")
             self._wrap(spec, "propose", "draft")
             self._wrap(spec, "verify", "accept")
+            self._wrap(spec, "verify_argmax", "accept")
             self._wrap(spec, "rollback", "rollback")
             self._wrap(spec, "observe_step", "other")
 
