@@ -72,6 +72,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--copy-frac", type=float, default=0.0,
                    help="joint phase: this share of each batch's windows repeat their own start (a block of code "
                         "that occurs twice), so the target learns to copy from its context")
+    p.add_argument("--gen-distill", action="store_true",
+                   help="distillation on the target's own greedy continuations (what speculative acceptance measures): "
+                        "each distillation row is --gen-prefix tokens of a training window + the frozen target's "
+                        "greedy continuation of --gen-len tokens, generated once by tokenmill (bf16, as served); "
+                        "needs --steps 0 --seq-ul-steps 0 (the target must be the --init one)")
+    p.add_argument("--gen-prefix", type=int, default=128, help="prompt tokens of a --gen-distill row")
+    p.add_argument("--gen-len", type=int, default=128, help="greedy tokens of a --gen-distill row")
+    p.add_argument("--gen-cache", default=None, help="file for the generated rows (reused when it exists)")
+    p.add_argument("--argmax-weight", type=float, default=0.0,
+                   help="distillation loss = KL + w * CE(draft, argmax of the target): greedy acceptance is argmax agreement")
     p.add_argument("--checkpoint", default=None,
                    help="state file: training saves it and exits with status 3 after --segment-s; re-run to resume")
     p.add_argument("--segment-s", type=float, default=540.0, help="seconds of training per segment (with --checkpoint)")
@@ -83,6 +93,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--unlikelihood must be >= 0 and --ul-window >= 1")
     if args.seq_ul_steps < 0 or args.seq_ul_prefix < 1 or args.seq_ul_len < 4:
         p.error("--seq-ul-steps must be >= 0, --seq-ul-prefix >= 1, --seq-ul-len >= 4")
+    if args.gen_distill and (args.steps or args.seq_ul_steps or not args.init):
+        p.error("--gen-distill needs --init and --steps 0 --seq-ul-steps 0 (the continuations are the --init target's)")
+    if args.gen_prefix < 1 or args.gen_len < 1 or args.argmax_weight < 0:
+        p.error("--gen-prefix and --gen-len must be >= 1, --argmax-weight >= 0")
     if args.quick:
         args.steps, args.distill_steps, args.eval_windows, args.seq_len = 6, 2, 4, 128
     return args
@@ -321,6 +335,35 @@ def with_copies(batch: torch.Tensor, step: int, frac: float) -> torch.Tensor:
     return out
 
 
+def generated_rows(args, data: "Batches") -> torch.Tensor:
+    """--gen-distill data: for distillation step j, the rows of batch(skip + j) cut to their first --gen-prefix
+    tokens, each followed by the --init target's greedy continuation of --gen-len tokens as tokenmill serves it
+    (bf16, EOS not stopping). Generated once, all steps in one batched offline run; cached in --gen-cache.
+    -> [distill_steps * B, gen_prefix + gen_len]"""
+    cache = Path(args.gen_cache) if args.gen_cache else None
+    if cache is not None and cache.exists():
+        rows = torch.load(cache)
+        if rows.shape[1] == args.gen_prefix + args.gen_len and len(rows) >= args.distill_steps * args.batch_size:
+            return rows
+        raise SystemExit(f"{cache} holds rows of another shape {tuple(rows.shape)}; delete it")
+    from tokenmill import LLM, SamplingParams
+
+    prefixes = torch.cat([data.batch(args.skip_batches + j)[:, : args.gen_prefix] for j in range(args.distill_steps)])
+    t0 = time.time()
+    llm = LLM(str(Path(args.init) / "demo"), kv_cache_bytes="512MiB")
+    sp = SamplingParams(max_tokens=args.gen_len, temperature=0, ignore_eos=True)
+    cont = []
+    for i in range(0, len(prefixes), 1024):  # the engine's waiting queue is bounded
+        outs = llm.generate([r.tolist() for r in prefixes[i : i + 1024]], sp)
+        cont.extend(o.outputs[0].token_ids for o in outs)
+    cont = torch.tensor(cont, dtype=torch.long)
+    rows = torch.cat([prefixes, cont], dim=1)
+    print(f"generated {len(rows)} continuations of {args.gen_len} tokens in {time.time() - t0:.0f}s", flush=True)
+    if cache is not None:
+        save_checkpoint(cache, rows)
+    return rows
+
+
 # -- training -----------------------------------------------------------------------------------
 def save_checkpoint(path: Path, state: dict) -> None:
     tmp = path.with_suffix(".tmp")
@@ -413,11 +456,18 @@ def train(args, target, draft, data: Batches) -> dict:
         maybe_checkpoint(args.steps + step + 1)
     target.eval()
     peak = opt_d.peak * 0.5
+    gen = generated_rows(args, data) if args.gen_distill else None
     for step in range(max(0, start - seq_end), args.distill_steps):
-        x = data.batch(args.skip_batches + seq_end + step)[:, :-1]
+        if gen is not None:
+            x = gen[step * args.batch_size : (step + 1) * args.batch_size, :-1]
+        else:
+            x = data.batch(args.skip_batches + seq_end + step)[:, :-1]
         with torch.no_grad():
             t_logits = target(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
-        d_loss = kl_to(t_logits, draft(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB))
+        d_logits = draft(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
+        d_loss = kl_to(t_logits, d_logits)
+        if args.argmax_weight:
+            d_loss = d_loss + args.argmax_weight * F.cross_entropy(d_logits, t_logits.argmax(-1))
         opt_d.step(d_loss, lr_at(step, args.distill_steps, peak, max(1, args.distill_steps // 10)))
         if step % 20 == 0 or step == args.distill_steps - 1:
             print(f"distill {step:4d}/{args.distill_steps} kl {d_loss.item():.3f} "
@@ -431,7 +481,8 @@ def train(args, target, draft, data: Batches) -> dict:
 def checkpoint_args(args) -> dict:
     """The arguments a checkpoint must agree with to be resumed (not --segment-s, --out, --threads)."""
     keep = ("seed", "steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight", "init", "skip_batches",
-            "unlikelihood", "ul_window", "seq_ul_steps", "seq_ul_prefix", "seq_ul_len", "copy_frac")
+            "unlikelihood", "ul_window", "seq_ul_steps", "seq_ul_prefix", "seq_ul_len", "copy_frac",
+            "gen_distill", "gen_prefix", "gen_len", "argmax_weight")
     return {k: getattr(args, k) for k in keep}
 
 
@@ -550,7 +601,8 @@ def main(argv=None) -> int:
         "train_windows": len(train_w),
         "hyperparameters": {k: getattr(args, k) for k in ("steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight",
                                                            "unlikelihood", "ul_window", "seq_ul_steps",
-                                                           "copy_frac")},
+                                                           "copy_frac", "gen_distill", "gen_prefix",
+                                                           "gen_len", "argmax_weight")},
         "heldout_eval": metrics,
         "train_log": log,
         "torch": torch.__version__,

@@ -163,6 +163,40 @@ def test_greedy_identical_to_spec_off_in_bf16_at_concurrency():
         assert llm.engine.stats().spec.num_accepted_tokens > 0
 
 
+@pytest.mark.skipif(not capabilities().native_bf16,
+                    reason="the packed head (fused argmax) runs on native bf16 only")
+@pytest.mark.parametrize("proposer", ["ngram", "demo-draft"])
+def test_greedy_verify_from_the_fused_argmax_identical_to_off(proposer):
+    """An all-greedy speculative step takes the runner's fused head+argmax (no fp32 logits) and verifies from
+    the rows' argmax; a step with a logprobs request takes the logits. Both give speculation off's tokens (and
+    off's logprobs), and the argmax path is really the one taken (the runner returned tokens)."""
+    kw = dict(kv_cache_bytes="64MiB", dtype="bfloat16")
+    off = LLM("demo", **kw)
+    llm = LLM("demo", speculative_model=proposer, num_speculative_tokens=3, **kw)
+    taken = {"tokens": 0, "logits": 0}
+    execute = llm.engine.runner.execute
+
+    def spy(sched, **a):
+        out = execute(sched, **a)
+        if any(s.num_spec_slots for s in sched.seqs):
+            taken["tokens" if out.tokens is not None else "logits"] += 1
+        return out
+
+    llm.engine.runner.execute = spy
+    prompts = _heldout_code_prompts(off.tokenizer, 3, 96)
+    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    for p in prompts:  # batch 1, as the batch-1 benchmark runs
+        assert llm.generate([p], sp)[0].outputs[0].token_ids == off.generate([p], sp)[0].outputs[0].token_ids
+    assert taken["tokens"] > 10 and taken["logits"] == 0, taken
+    lp = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=1)
+    got = llm.generate([prompts[0]], lp)[0].outputs[0]
+    ref = off.generate([prompts[0]], lp)[0].outputs[0]
+    assert got.token_ids == ref.token_ids and taken["logits"] > 0
+    assert [x.token_id for x in got.logprobs] == got.token_ids
+    assert all(abs(x.logprob - y.logprob) < 0.05 for x, y in zip(got.logprobs, ref.logprobs))
+    assert llm.engine.stats().spec.num_accepted_tokens > 0
+
+
 # -- sampled: the output distribution is the target's -------------------------------------------------
 def test_rejection_sampling_unit_distribution():
     """verify_sampled's first emitted token ~ p whatever q proposed (draft distribution or point mass)."""

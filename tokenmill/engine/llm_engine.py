@@ -217,8 +217,9 @@ class LLMEngine:
             speculating = spec is not None and any(s.num_spec_slots for s in sched.seqs)
             # the sampler takes logits in the head's dtype; the verifier wants fp32 (a step where no sequence
             # speculates, e.g. auto chose k = 0 for all, is sampled exactly as with speculation off)
-            # all-greedy steps without logprobs: the runner may return the tokens (lm_head fused with the argmax)
-            greedy = not speculating and all(
+            # all-greedy steps without logprobs: the runner may return the tokens (lm_head fused with the argmax);
+            # greedy verification needs only each row's argmax too (the same tokens: no [rows, vocab] fp32 logits)
+            greedy = all(
                 self.scheduler.requests[s.request_id].params.greedy
                 and self.scheduler.requests[s.request_id].params.logprobs is None
                 for s in sched.seqs if s.num_logits > 0)
@@ -246,11 +247,15 @@ class LLMEngine:
         spec = self.spec
         plain = [(i, s) for i, s in enumerate(sched.seqs) if s.num_logits > 0 and not s.num_spec_slots]
         emitted: dict[str, tuple[list[int], list]] = {}
+        argmax = out.tokens.tolist() if out.tokens is not None else None  # an all-greedy step: the rows' argmax
         if plain:
             reqs = [self.scheduler.requests[s.request_id] for _, s in plain]
             rows = [out.logit_offsets[i] + s.num_logits - 1 for i, s in plain]
-            result = self.sampler.sample(out.logits.index_select(0, torch.tensor(rows, device=out.logits.device)),
-                                         [r.params for r in reqs], [self._gens.get(r.request_id) for r in reqs])
+            if argmax is not None:
+                result = SampleResult([argmax[r] for r in rows], [None] * len(rows))
+            else:
+                result = self.sampler.sample(out.logits.index_select(0, torch.tensor(rows, device=out.logits.device)),
+                                             [r.params for r in reqs], [self._gens.get(r.request_id) for r in reqs])
             for r, tok, lp in zip(reqs, result.token_ids, result.logprobs):
                 emitted[r.request_id] = ([tok], [lp] if lp is not None else None)
         verified = {}
@@ -258,9 +263,14 @@ class LLMEngine:
             if not s.num_spec_slots:
                 continue
             req = self.scheduler.requests[s.request_id]
-            rows = out.logits[out.logit_offsets[i]:out.logit_offsets[i] + s.num_logits]
-            toks, kept = spec.verify(req, rows, self._gens.get(req.request_id), self.sampler.default_gen)
-            emitted[s.request_id] = (toks, logprobs_for(rows, toks, req.params.logprobs))
+            lo, hi = out.logit_offsets[i], out.logit_offsets[i] + s.num_logits
+            if argmax is not None:
+                toks, kept = spec.verify_argmax(req, argmax[lo:hi])
+                emitted[s.request_id] = (toks, None)
+            else:
+                rows = out.logits[lo:hi]
+                toks, kept = spec.verify(req, rows, self._gens.get(req.request_id), self.sampler.default_gen)
+                emitted[s.request_id] = (toks, logprobs_for(rows, toks, req.params.logprobs))
             verified[s.request_id] = kept
         outputs = []
         for s in sched.seqs:

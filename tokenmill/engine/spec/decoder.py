@@ -218,6 +218,19 @@ class SpecDecoder:
         else:
             toks, a = verify_sampled(logits, drafts, d.probs if d is not None else None, req.params,
                                      gen or default_gen)
+        self._count(req, drafts, a)
+        return toks, a
+
+    def verify_argmax(self, req: Request, argmax_rows: list[int]) -> tuple[list[int], int]:
+        """A greedy request verified from the target's per-row argmax (an all-greedy step: the runner fused the
+        head with the argmax, no logits). Returns (tokens to emit, drafts kept)."""
+        d = self.drafts.get(req.request_id)
+        drafts = d.tokens if d is not None else []
+        toks, a = verify_greedy(argmax_rows, drafts)
+        self._count(req, drafts, a)
+        return toks, a
+
+    def _count(self, req: Request, drafts: list[int], a: int) -> None:
         if drafts:
             st = self.stats
             st.num_drafts += 1
@@ -229,7 +242,6 @@ class SpecDecoder:
             for j in range(a):
                 st.accepted_per_pos[j] += 1
             self.acceptance.observe(req.request_id, len(drafts), a)
-        return toks, a
 
     def rollback(self, scheduler: Scheduler, req: Request, num_kept: int) -> None:
         """After verification kept `num_kept` drafts: KV is valid for the known tokens before the newest."""

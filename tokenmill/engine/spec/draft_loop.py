@@ -10,8 +10,8 @@ has the fused decoder stack (model/fused_decode.py), this loop runs the same com
              rows (each attends its own context, like the runner's verification rows), logits of the last row
     step j   one row per sequence still drafting: the previous step's argmax, its embedding, position+1
 
-each step one `FusedDecodeStack` call (embedding rows in, final hidden out), one tied-head matmul and one
-argmax. The block tables are built once per proposal (wide enough for the last draft position: padded columns
+each step one `FusedDecodeStack` call (embedding rows in, final hidden out) and the head's argmax (the packed
+head fused with the argmax where it applies: no logits written). The block tables are built once per proposal (wide enough for the last draft position: padded columns
 are never read, the context length bounds the kernel), slots and positions from the request's block ids. The
 kernels, their inputs and their order are the ones `runner.execute` -> `LlamaModel.forward` picks for these
 rows, so the draft tokens and the draft KV are the same bits as the general path's
@@ -120,7 +120,7 @@ class GreedyDraftLoop:
             meta = AttentionMetadata(slot_mapping=slot_t[j], spans=[], decode_token_idx=idx, decode_block_tables=bt,
                                      decode_ctx_lens=ctx_t[j], decode_mask=None, sliding_window=self.window)
             hidden = fused(emb.index_select(0, toks[-1]), pos_t[j], rope, caches, meta)
-            toks.append(model.compute_logits(hidden).argmax(dim=-1))
+            toks.append(self._argmax(hidden))
         return torch.stack(toks, dim=1).tolist()
 
     def _step(self, tokens: list[int], positions: list[int], tables: list[list[int]], bt: torch.Tensor,
@@ -136,7 +136,13 @@ class GreedyDraftLoop:
                                  decode_ctx_lens=pos_t + 1, decode_mask=None, sliding_window=self.window)
         x = self.model.embed_tokens(torch.tensor(tokens, dtype=torch.long))
         hidden = self.model.fused(x, pos_t, self.model.rope, self.runner.kv_caches, meta)
-        logits = self.model.compute_logits(hidden)
         if logit_rows is not None:
-            logits = logits.index_select(0, torch.tensor(logit_rows, dtype=torch.long))
-        return logits.argmax(dim=-1)
+            hidden = hidden.index_select(0, torch.tensor(logit_rows, dtype=torch.long))
+        return self._argmax(hidden)
+
+    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax of the draft's logits: the packed head fused with the argmax where it applies (the
+        same tokens, exactly, without writing [rows, vocab] logits; its rows are batch-invariant), else the
+        logits then argmax."""
+        toks = self.model.greedy_tokens(hidden)
+        return toks if toks is not None else self.model.compute_logits(hidden).argmax(dim=-1)

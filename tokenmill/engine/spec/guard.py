@@ -20,7 +20,9 @@ the policy under the best measured cap.
                    bucket has its first comparison within ~2·min_samples steps
     ladder         from off, a bucket of <= 4 sequences probes the caps (suggestion, 2, 4, k_max) in turn until
                    each is measured, then the best measured one (a draft model may lose at k = 1 and win at
-                   k = 4); bigger buckets probe k = 1 only (if one draft does not pay there, more do not)
+                   k = 4); no switch before every rung is measured (one that beats off a little must not win
+                   before a better one was tried); bigger buckets probe k = 1 only (if one draft does not pay
+                   there, more do not)
     switch         to the arm whose measured rate beats the current one's by `margin` (relative), each having
                    at least `min_samples` steps, in two comparisons in a row (after the first win the current
                    arm runs for a probe's length, then the challenger is probed again: one lucky window of a
@@ -182,6 +184,11 @@ class GoodputGuard:
         cfg = self.cfg
         cur = b.arms.get(b.cur)
         if cur is None or cur.samples < cfg.min_samples:
+            return
+        if b.cur == 0 and any(b.arms.get(k) is None or b.arms[k].samples < cfg.min_samples for k in b.ladder):
+            # from off, the whole ladder is measured before any switch: a rung that beats off a little must not
+            # win before a better one was tried (batch 1, draft: k = 1 won, k = 4 was never probed again)
+            b.next_probe = b.steps + cfg.probe_len + cfg.settle
             return
         best, best_rate = b.cur, cur.rate() * (1 + cfg.margin)
         for k, arm in b.arms.items():
