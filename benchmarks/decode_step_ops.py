@@ -264,7 +264,7 @@ def main():
     from tokenmill.hardware import capabilities
 
     print(f"# CPU: {capabilities().summary()}")
-    bw = measure_read_bandwidth()
+    bw = measure_read_bandwidth().dram_bps  # KV scattered over per-layer caches comes from DRAM: the DRAM probe
     rates = gemm_rates()
     print(f"# model {args.model}, torch threads {torch.get_num_threads()}, ctx {args.ctx} ({args.block_order} "
           f"blocks), median of {args.reps}; read bandwidth {bw / 1e9:.1f} GB/s, oneDNN bf16 "
