@@ -233,6 +233,50 @@ def test_holder_index_lists_exactly_the_workers_holding_a_first_chunk():
     assert ix._entries == ref._entries
 
 
+@pytest.mark.parametrize("time_goes_back", [False, True])
+def test_holder_index_bisected_match_is_the_linear_walk(time_goes_back):
+    """HolderIndex.match (bisection over the chain) answers as PrefixIndex.match (the linear walk) on random
+    sequences of inserts of prompts sharing prefixes, LRU evictions, corrections, forgets, expiries and TTL
+    boundaries; with a clock that once goes back the index falls back to the walk, and still answers the same."""
+    rng = random.Random(16 + time_goes_back)
+    cfg = PrefixIndexConfig(chunk_tokens=2, max_entries_per_worker=24, min_entries_per_worker=2, ttl_s=3.0)
+    ix, ref = HolderIndex(cfg), PrefixIndex(cfg)
+    families = [[rng.randrange(50) for _ in range(rng.randint(2, 16))] for _ in range(5)]
+    prompts = [chunk_hashes(f + [rng.randrange(50) for _ in range(rng.randint(0, 10))], 2)
+               for f in families for _ in range(4)]
+    now, partial, went_back = 0.0, 0, False
+    for step in range(4000):
+        w = f"w{rng.randrange(4)}"
+        op = rng.random()
+        if op < 0.5:
+            hashes = rng.choice(prompts)
+            for x in (ix, ref):
+                x.insert(w, hashes, now)
+        elif op < 0.58:
+            reported = rng.randrange(4)
+            for x in (ix, ref):
+                x.correct(w, 4, reported)
+        elif op < 0.6:
+            for x in (ix, ref):
+                x.forget(w)
+        elif op < 0.65:
+            for x in (ix, ref):
+                x.expire(now)
+        elif time_goes_back and step == 2000:
+            now -= 2.0
+            went_back = True
+        else:
+            now += rng.random() * 0.5
+        for hashes in rng.sample(prompts, 6):
+            for u in ("w0", "w1", "w2", "w3"):
+                at = now + rng.choice([0.0, 1.0, 3.0])  # (a match may look later than the last insert: TTL edges)
+                got = ix.match(u, hashes, at)
+                assert got == ref.match(u, hashes, at), (step, u)
+                partial += 0 < got < len(hashes)
+    assert partial > 1000  # prefixes matched part of the way (else bisection was not put to the test)
+    assert ix.bisect is not went_back  # the bisection was used throughout, or given up after time went back
+
+
 def test_a_large_idle_pool_reads_each_worker_once():
     """1,000 workers: after the first decision, a decision re-reads only the workers that changed."""
     r = Router(RouterConfig(), clock=Clock())

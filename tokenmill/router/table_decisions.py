@@ -121,8 +121,8 @@ def prefix_load(ts: TableSnapshot, p: PolicyParams) -> RouteChoice:
     best = _lexmin(idx, cost, out, queue, ts.url_rank)
     o = out[idx]
     least = o.min()
-    ob = out[best:best + 1]  # the guard on the cheapest worker alone first (the same test as for `allowed`)
-    if not ((ob - least > p.guard_abs) & (ob > p.guard_rel * least))[0]:
+    ob, lf = float(out[best]), float(least)  # the guard on the cheapest worker alone first (the test of `allowed`)
+    if not (ob - lf > p.guard_abs and ob > p.guard_rel * lf):
         return RouteChoice(ts.urls[best], "least-cost")
     allowed = idx[~((o - least > p.guard_abs) & (o > p.guard_rel * least))]
     spread = _lexmin(allowed, cost, out, queue, ts.url_rank)
@@ -140,6 +140,37 @@ TABLE_POLICIES = {
     policies.POLICIES["prefix-load"]: prefix_load,
 }
 TABLE_ADMISSION = ("leading", "off")  # admission modes decided on the table (lagging: on the full snapshot)
+
+
+def _ttft_of(c: list[float], uncached: float) -> float:
+    """_predicted_ttft of one worker's column `c` (a list of Python floats): the same operations in the same
+    order. ZeroDivisionError where numpy would give inf / nan (a zero rate, a passing share of 1)."""
+    base, rate = c[BASE], c[RATE]
+    wait = (base * c[PREFILL_REQUESTS] + (c[PREFILL_TOKENS] + c[EXTERNAL]) / rate) / (1.0 - c[PASSING])
+    return c[CALIBRATION] * (wait + (base * 1 + uncached / rate))
+
+
+def _chosen_admits(c: list[float], unc: float, cls: WorkloadClass, cfg: AdmissionConfig, budget: float,
+                   idle_budget: float, now: float) -> float | None:
+    """admit's `meets_polite` on the chosen worker's column alone, in Python floats: its predicted TTFT when it
+    meets the SLO and is polite (admitted at once), else None (also when a denominator is 0: the numpy path
+    then decides, with its inf / nan)."""
+    if c[RATE] == 0 or c[PASSING] == 1.0:
+        return None
+    pred = _ttft_of(c, unc)
+    idle = c[OUTSTANDING] == 0 and c[EXTERNAL] == 0
+    if not idle:
+        limit = min(budget, idle_budget)
+        if cfg.check_tpot and not c[TPOT_BASE] + c[TPOT_PER_STREAM] * (c[DECODE_STREAMS] + 1) <= cls.tpot_slo_s:
+            return None
+        if not pred * c[ERROR_HI] * c[MARGIN] <= limit:
+            return None
+        if not (c[RATE_SAMPLES] >= cfg.warmup_samples or c[PREFILL_TOKENS] == 0):
+            return None
+        deadline = c[DEADLINE]
+        if not (deadline == np.inf or c[CALIBRATION] * (c[BASE] * 1 + unc / c[RATE]) <= deadline - now):
+            return None
+    return pred
 
 
 def admit(ts: TableSnapshot, choice: RouteChoice, cls: WorkloadClass, classes: tuple[WorkloadClass, ...],
@@ -176,10 +207,11 @@ def admit(ts: TableSnapshot, choice: RouteChoice, cls: WorkloadClass, classes: t
         return pred, meets, polite
 
     # the chosen worker alone first: when it meets the SLO and is polite it is admitted (below: `best =
-    # chosen`), and no other worker's prediction is needed -- the same element-wise operations on one column
-    pred_c, meets_c, polite_c = meets_polite(slice(chosen, chosen + 1))
-    if meets_c[0] and polite_c[0]:
-        return Admission("admit", ts.urls[chosen], float(pred_c[0]))
+    # chosen`), and no other worker's prediction is needed -- the same operations on one column, in Python
+    # floats (IEEE double, as numpy's float64: the same results; numpy on a 1-element array costs ~1 µs per op)
+    pred_c = _chosen_admits(d[:, chosen].tolist(), float(unc[chosen]), cls, cfg, budget, idle_budget, r.now)
+    if pred_c is not None:
+        return Admission("admit", ts.urls[chosen], pred_c)
     pred, meets, polite = meets_polite(slice(None))
     meeting = idx[meets[idx]]
     if len(meeting):
