@@ -40,8 +40,14 @@ class TableSnapshot:
     request: RouteRequest
 
 
+SMALL = 64  # candidate sets up to this size are reduced in Python (numpy costs ~1 µs per call whatever the size)
+
+
 def _lexmin(idx: np.ndarray, *keys: np.ndarray) -> int:
-    """The index in `idx` with the least (keys[0], keys[1], ...) (full-length arrays); the last key is unique."""
+    """The index in `idx` with the least (keys[0], keys[1], ...) (full-length arrays); the last key is unique.
+    Small sets: the least tuple in Python (the same comparisons: ==, then <, key by key)."""
+    if 1 < len(idx) <= SMALL:
+        return min(zip(*[k[idx].tolist() for k in keys], idx.tolist()))[-1]
     for k in keys:
         if len(idx) == 1:
             break
@@ -150,27 +156,23 @@ def _ttft_of(c: list[float], uncached: float) -> float:
     return c[CALIBRATION] * (wait + (base * 1 + uncached / rate))
 
 
-def _chosen_admits(c: list[float], unc: float, cls: WorkloadClass, cfg: AdmissionConfig, budget: float,
-                   idle_budget: float, now: float) -> float | None:
-    """admit's `meets_polite` on the chosen worker's column alone, in Python floats: its predicted TTFT when it
-    meets the SLO and is polite (admitted at once), else None (also when a denominator is 0: the numpy path
-    then decides, with its inf / nan)."""
+def _chosen_test(c: list[float], unc: float, cls: WorkloadClass, cfg: AdmissionConfig, budget: float,
+                 idle_budget: float, now: float) -> tuple[float | None, bool, bool]:
+    """admit's `meets_polite` on the chosen worker's column `c` alone, in Python floats: (predicted TTFT,
+    meets, polite). (None, False, False) when a denominator is 0: the numpy path then decides, with its inf
+    / nan."""
     if c[RATE] == 0 or c[PASSING] == 1.0:
-        return None
+        return None, False, False
     pred = _ttft_of(c, unc)
-    idle = c[OUTSTANDING] == 0 and c[EXTERNAL] == 0
-    if not idle:
-        limit = min(budget, idle_budget)
-        if cfg.check_tpot and not c[TPOT_BASE] + c[TPOT_PER_STREAM] * (c[DECODE_STREAMS] + 1) <= cls.tpot_slo_s:
-            return None
-        if not pred * c[ERROR_HI] * c[MARGIN] <= limit:
-            return None
-        if not (c[RATE_SAMPLES] >= cfg.warmup_samples or c[PREFILL_TOKENS] == 0):
-            return None
-        deadline = c[DEADLINE]
-        if not (deadline == np.inf or c[CALIBRATION] * (c[BASE] * 1 + unc / c[RATE]) <= deadline - now):
-            return None
-    return pred
+    if c[OUTSTANDING] == 0 and c[EXTERNAL] == 0:  # idle
+        return pred, True, True
+    ok = pred * c[ERROR_HI] * c[MARGIN] <= min(budget, idle_budget)
+    if cfg.check_tpot:
+        ok = c[TPOT_BASE] + c[TPOT_PER_STREAM] * (c[DECODE_STREAMS] + 1) <= cls.tpot_slo_s and ok
+    warm = c[RATE_SAMPLES] >= cfg.warmup_samples or c[PREFILL_TOKENS] == 0
+    deadline = c[DEADLINE]
+    polite = warm and (deadline == np.inf or c[CALIBRATION] * (c[BASE] * 1 + unc / c[RATE]) <= deadline - now)
+    return pred, bool(ok), bool(polite)
 
 
 def admit(ts: TableSnapshot, choice: RouteChoice, cls: WorkloadClass, classes: tuple[WorkloadClass, ...],
@@ -209,9 +211,17 @@ def admit(ts: TableSnapshot, choice: RouteChoice, cls: WorkloadClass, classes: t
     # the chosen worker alone first: when it meets the SLO and is polite it is admitted (below: `best =
     # chosen`), and no other worker's prediction is needed -- the same operations on one column, in Python
     # floats (IEEE double, as numpy's float64: the same results; numpy on a 1-element array costs ~1 µs per op)
-    pred_c = _chosen_admits(d[:, chosen].tolist(), float(unc[chosen]), cls, cfg, budget, idle_budget, r.now)
-    if pred_c is not None:
+    pred_c, meets_c, polite_c = _chosen_test(d[:, chosen].tolist(), float(unc[chosen]), cls, cfg, budget,
+                                             idle_budget, r.now)
+    if meets_c and polite_c:
         return Admission("admit", ts.urls[chosen], pred_c)
+    if meets_c and pred_c is not None:
+        # polite needs idle or warm: when no candidate is either, none is polite, `nice` below is empty and the
+        # chosen worker (meeting) is admitted -- known without the other workers' predictions
+        dr = d[:, idx]
+        if not (((dr[OUTSTANDING] == 0) & (dr[EXTERNAL] == 0)) | (dr[RATE_SAMPLES] >= cfg.warmup_samples)
+                | (dr[PREFILL_TOKENS] == 0)).any():
+            return Admission("admit", ts.urls[chosen], pred_c)
     pred, meets, polite = meets_polite(slice(None))
     meeting = idx[meets[idx]]
     if len(meeting):

@@ -32,7 +32,12 @@ def row_of(w: WorkerState) -> tuple[float, ...]:
     """One worker's column: the fields of w.view() (and its least pending TTFT deadline)."""
     # the same reads as WorkerState.view (test_table_rows_are_the_views...), without building the view
     pending = w._pending
-    deadline = min([f.ttft_deadline_s for f in pending.values()]) if pending else math.inf
+    if pending:  # the least pending deadline, as WorkerState.view keeps it (one scan per change of the least)
+        if w._min_deadline is None:
+            object.__setattr__(w, "_min_deadline", min([f.ttft_deadline_s for f in pending.values()]))
+        deadline = w._min_deadline
+    else:
+        deadline = math.inf
     prefill, tpot = w.rates.prefill, w.rates.tpot
     return (float(w.healthy and not w.draining), float(w.healthy), w.outstanding, max(0, w.prefill_tokens),
             len(pending), w.decode_streams, w.external_prefill_tokens, prefill.overhead_s, prefill.rate_tps,
