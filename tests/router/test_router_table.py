@@ -277,6 +277,27 @@ def test_holder_index_bisected_match_is_the_linear_walk(time_goes_back):
     assert ix.bisect is not went_back  # the bisection was used throughout, or given up after time went back
 
 
+def test_chunk_hashes_of_text_are_the_chained_blake2b_of_each_chunk():
+    """chunk_hashes' one-encode path for ASCII text hashes the same bytes as encoding chunk by chunk (the
+    reference written out here), and non-ASCII text still chunks by characters."""
+    import hashlib
+
+    def reference(text, chunk):
+        out, parent = [], b""
+        for start in range(0, len(text) - len(text) % chunk, chunk):
+            parent = hashlib.blake2b(parent + text[start:start + chunk].encode("utf-8", "surrogatepass"),
+                                     digest_size=12).digest()
+            out.append(parent)
+        return tuple(out)
+
+    rng = random.Random(3)
+    for _ in range(200):
+        alphabet = "abc xyz{}\"\n" if rng.random() < 0.5 else "abcé€😀 "
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300)))
+        chunk = rng.choice([1, 7, 64])
+        assert chunk_hashes(text, chunk) == reference(text, chunk)
+
+
 def test_a_large_idle_pool_reads_each_worker_once():
     """1,000 workers: after the first decision, a decision re-reads only the workers that changed."""
     r = Router(RouterConfig(), clock=Clock())

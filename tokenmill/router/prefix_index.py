@@ -49,15 +49,22 @@ def chunk_hashes(prompt, chunk: int) -> tuple[bytes, ...]:
     hashes: list[bytes] = []
     parent = b""
     full = len(prompt) - len(prompt) % chunk
+    blake2b = hashlib.blake2b
     if isinstance(prompt, str):
+        if prompt.isascii():  # one encode: a chunk of ASCII characters is the same slice of the bytes
+            data = prompt.encode("ascii")
+            for start in range(0, full, chunk):
+                parent = blake2b(parent + data[start: start + chunk], digest_size=12).digest()
+                hashes.append(parent)
+            return tuple(hashes)
         for start in range(0, full, chunk):
-            parent = hashlib.blake2b(parent + prompt[start: start + chunk].encode("utf-8", "surrogatepass"),
-                                     digest_size=12).digest()
+            parent = blake2b(parent + prompt[start: start + chunk].encode("utf-8", "surrogatepass"),
+                             digest_size=12).digest()
             hashes.append(parent)
         return tuple(hashes)
     data, width = _ids_bytes(prompt[:full]), 4 * chunk  # each id as 4 bytes, little-endian, signed
     for start in range(0, 4 * full, width):
-        parent = hashlib.blake2b(parent + data[start: start + width], digest_size=12).digest()
+        parent = blake2b(parent + data[start: start + width], digest_size=12).digest()
         hashes.append(parent)
     return tuple(hashes)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -130,7 +130,7 @@ class Router:
 
     # ---- one request ---------------------------------------------------------------------------------
     def new_request(self, key: PromptKey, cls: WorkloadClass, max_tokens: int) -> RequestCtx:
-        return RequestCtx(f"rt-{uuid.uuid4().hex[:16]}", cls, key, self.tokens.prompt_tokens(key), self.clock(),
+        return RequestCtx(f"rt-{os.urandom(8).hex()}", cls, key, self.tokens.prompt_tokens(key), self.clock(),
                           next(self._seq), max_tokens)
 
     def snapshot(self, ctx: RequestCtx) -> tuple[RouteSnapshot, dict[str, int]]:
@@ -220,29 +220,32 @@ class Router:
         n = len(table.urls)
         cached = np.zeros(n)
         chunks: dict[str, int] = {}
-        hits: list[int] = []
+        hits: dict[int, int] = {}  # column -> estimated cached tokens, where > 0
         hashes = ctx.key.hashes
         if hashes:
+            healthy = data[HEALTHY]
             for url in self.index.holders(hashes[0]):
                 i = table.col.get(url)
-                if i is None or not data[HEALTHY, i]:
+                if i is None or not healthy[i]:
                     continue
                 hit, chunks[url] = self.cached_prefix(ctx, table.workers[i], now)
                 if hit:
-                    cached[i] = hit
-                    hits.append(i)
+                    cached[i] = hits[i] = hit
         if n:
-            ctx.uncached_tokens = max(0, ctx.prompt_tokens - max((int(cached[i]) for i in hits), default=0))
+            ctx.uncached_tokens = max(0, ctx.prompt_tokens - max(hits.values(), default=0))
         n_ahead, tokens_ahead = self.held_ahead(ctx)
         exclude = frozenset(ctx.tried)
         req = RouteRequest(ctx.request_id, now, ctx.arrival_s, ctx.prompt_tokens, ctx.cls.name, ctx.seq,
                            ctx.max_tokens, exclude, ctx.cls.ttft_slo_s - (now - ctx.arrival_s), n_ahead, tokens_ahead)
-        mask = data[ROUTABLE] != 0
-        for url in exclude:
-            i = table.col.get(url)
-            if i is not None:
-                mask[i] = False
-        ts = TableSnapshot(data, table.urls, table.col, table.url_rank, cached, np.flatnonzero(mask), mask, req)
+        mask, routable = table.routable()
+        if exclude:
+            mask = mask.copy()
+            for url in exclude:
+                i = table.col.get(url)
+                if i is not None:
+                    mask[i] = False
+            routable = np.flatnonzero(mask)
+        ts = TableSnapshot(data, table.urls, table.col, table.url_rank, cached, routable, mask, req)
         choice = ctx.choice = TABLE_POLICIES[self.policy](ts, self.cfg.policy_params)
         if ctx.tried:
             adm = Admission("admit", choice.worker) if choice.worker else Admission("reject", reason="no-worker")
@@ -255,10 +258,10 @@ class Router:
         looked = set()
         if adm.worker is not None:
             looked.add(table.col[adm.worker])
-        live = [i for i in hits if mask[i]]
+        live = [(hit, -i) for i, hit in hits.items() if mask[i]]
         if live:
-            looked.add(max(live, key=lambda i: (cached[i], -i)))
-        views = tuple(table.workers[i].view(int(cached[i]), now) for i in sorted(looked))
+            looked.add(-max(live)[1])
+        views = tuple(table.workers[i].view(hits.get(i, 0), now) for i in sorted(looked))
         return adm, RouteSnapshot(views, req), chunks
 
     async def acquire(self, ctx: RequestCtx) -> InFlight:

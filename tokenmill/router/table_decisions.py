@@ -189,7 +189,7 @@ def admit(ts: TableSnapshot, choice: RouteChoice, cls: WorkloadClass, classes: t
     if cfg.mode != "leading":
         raise ValueError(f"admission mode {cfg.mode!r} is not decided on the table")
     budget = cls.ttft_slo_s - (r.now - r.arrival_s)  # admission.ttft_budget_s
-    idle_budget = idle_budget_s(cls, classes, cfg)
+    idle_budget = idle_budget_s(cls, classes, cfg) if cls.sheddable else float("inf")  # (its value then)
 
     def meets_polite(cols):
         """(predicted TTFT, meets its SLO, polite) of the workers in `cols` (all: slice(None))."""

@@ -55,6 +55,17 @@ class WorkerTable:
         self.data = np.zeros((len(FIELDS), 0))
         self.url_rank = np.zeros(0)  # each worker's place in URL order (the policies' last tie-break)
         self.reads = 0  # workers re-read so far (for tests and profiles)
+        self._routable: tuple[np.ndarray, np.ndarray] | None = None  # (mask, index) of the ROUTABLE row
+
+    def routable(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ROUTABLE row != 0, the columns where it is), both read-only; rebuilt only when a worker joined, left
+        or changed its routable flag since (a decision with no exclusions reads them as they are)."""
+        if self._routable is None:
+            mask = self.data[ROUTABLE] != 0
+            idx = np.flatnonzero(mask)
+            mask.flags.writeable = idx.flags.writeable = False
+            self._routable = (mask, idx)
+        return self._routable
 
     def refresh(self) -> np.ndarray:
         """Bring the table up to date; returns it (rows: FIELDS, columns: workers in pool order), read-only."""
@@ -72,12 +83,17 @@ class WorkerTable:
             for i, w in enumerate(self.workers):
                 self.data[:, i] = row_of(w)
             self.reads += len(self.workers)
+            self._routable = None
         elif changed:
             data, col, get = self.data, self.col, pool.get
+            routable = data[ROUTABLE]
             for url in changed:
                 i = col.get(url)
                 if i is not None:
-                    data[:, i] = row_of(get(url))
+                    row = row_of(get(url))
+                    if row[ROUTABLE] != routable[i]:
+                        self._routable = None
+                    data[:, i] = row
             self.reads += len(changed)
             changed.clear()
         out = self.data.view()
