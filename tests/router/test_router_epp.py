@@ -702,3 +702,17 @@ def test_the_hop_trace_stamps_each_answer_in_order_and_a_pick_is_written_before_
         assert port > 0 and before * 1e9 <= read <= arrived <= d0 <= d1 <= written <= after * 1e9
     assert rows[1][2] == rows[3][2]  # one socket read carried both requests ...
     assert rows[1][6] <= rows[3][4]  # ... and the first pick was written before the second decision began
+
+
+def test_streamed_body_answers_are_the_nested_messages():
+    """epp._streamed (set through the field path) builds the same message as the nested constructors."""
+    from tokenmill.router.epp import _streamed
+
+    for phase in ("request_body", "response_body"):
+        for body in (b"", b"abc", b"x" * 2000):
+            for eos in (False, True):
+                ref = pb.ProcessingResponse(**{phase: pb.BodyResponse(response=pb.CommonResponse(
+                    body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=body,
+                                                                                             end_of_stream=eos))))})
+                got = _streamed(phase, body, eos)
+                assert got == ref and got.SerializeToString() == ref.SerializeToString()

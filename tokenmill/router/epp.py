@@ -127,6 +127,18 @@ def _destination(endpoint: str) -> tuple[pb.ProcessingResponse, pb.ProcessingRes
             pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=md))
 
 
+def _streamed(phase: str, body: bytes, eos: bool) -> pb.ProcessingResponse:
+    """A FULL_DUPLEX_STREAMED body passed on unchanged: ProcessingResponse.<phase> (request_body or
+    response_body) .response.body_mutation.streamed_response = {body, end_of_stream}. Set through the field
+    path: nested constructors copy each sub-message and the body with it (~34 µs for a 1.7 kB body, ~7.5 µs
+    this way; the same message)."""
+    r = pb.ProcessingResponse()
+    sr = getattr(r, phase).response.body_mutation.streamed_response
+    sr.body = body
+    sr.end_of_stream = eos
+    return r
+
+
 HEADERS_ACK = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 BODY_ACK = pb.ProcessingResponse(request_body=pb.BodyResponse())
 RESPONSE_HEADERS_ACK = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
@@ -228,9 +240,7 @@ class _Exchange:
         if which == "response_body":
             self._response_chunk(req.response_body.body, req.response_body.end_of_stream)
             if self.full_duplex_response:
-                return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
-                    body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                        body=req.response_body.body, end_of_stream=req.response_body.end_of_stream)))))]
+                return [_streamed("response_body", req.response_body.body, req.response_body.end_of_stream)]
             return [RESPONSE_BODY_ACK]
         if which == "response_trailers":
             self.close()
@@ -244,8 +254,7 @@ class _Exchange:
 
     def _body_passthrough(self, body: bytes, eos: bool) -> pb.ProcessingResponse:
         if self.full_duplex_request:
-            return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
-                body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=eos)))))
+            return _streamed("request_body", body, eos)
         return BODY_ACK
 
     def _new_request(self, body: bytes) -> RequestCtx:
