@@ -52,6 +52,7 @@ class SimConfig:
     enable_prefix_caching: bool = True
     step_budget: bool = True
     fast_forward: bool = True  # steady decode steps in one event (sim/decode_run.py): same results, faster
+    token_free: bool = False  # Mooncake trace prompts by their hash_ids block names, no token ids (token_free_workload)
     price_per_hour: float | None = None  # per GPU
     record_chunks: bool = True  # every token's time (ITL); off for very large runs
     command: tuple[str, ...] = ()
@@ -80,6 +81,25 @@ def block_size_for(workload) -> tuple[int, str]:
     if isinstance(workload, Trace) and workload.rows[0].hash_ids is not None:
         return BLOCK_TOKENS, f"auto: the Mooncake trace's hash block ({BLOCK_TOKENS} tokens)"
     return DEFAULT_BLOCK_SIZE, "auto: the engine's default"
+
+
+def token_free_workload(workload, block_size: int, chunk_tokens: int):
+    """`--token-free`: the Mooncake trace's prompts as named blocks (its hash_ids) instead of synthesized token
+    ids -- the real scheduler, KV manager and router run on them (engine/kv/named_tokens.py), with the same
+    results as on the ids except for chance coincidences with the placeholder output token; the records' digest
+    is then of the names. Needs the trace's own block size for the KV blocks and the router's chunks."""
+    from tokenmill.bench.workloads.trace import BLOCK_TOKENS, Trace
+
+    if not isinstance(workload, Trace):
+        raise CLIError("--token-free replays a Mooncake trace (--workload trace:FILE.jsonl) only")
+    try:
+        workload = workload.named()
+    except ValueError as e:
+        raise CLIError(f"--token-free: {e}") from None
+    if block_size != BLOCK_TOKENS or chunk_tokens != BLOCK_TOKENS:
+        raise CLIError(f"--token-free needs the trace's {BLOCK_TOKENS}-token blocks: KV --block-size {block_size}, "
+                       f"router chunk {chunk_tokens} tokens")
+    return workload
 
 
 @dataclass
@@ -152,6 +172,8 @@ def run_simulation(cfg: SimConfig) -> tuple[BenchResult, dict]:
     built = build(cfg)
     slos = resolve_slos(list(cfg.slos), workload.classes)
     router_cfg = _router_with_slos(_router_chunks(cfg.router, cfg.block_size), slos, cfg.slos)
+    if cfg.token_free:
+        workload = token_free_workload(workload, cfg.block_size, router_cfg.prefix_index.chunk_tokens)
     result = BenchResult(
         command=list(cfg.command), seed=cfg.seed, slos=slos, runs=[], tokenizer=vocab.describe(),
         workload=workload.describe(),
@@ -187,6 +209,7 @@ def run_simulation(cfg: SimConfig) -> tuple[BenchResult, dict]:
                                                                "admission": router_cfg.admission.mode,
                                                                "chunk_tokens": router_cfg.prefix_index.chunk_tokens},
         "worker": dataclasses.asdict(built.worker), "block_size_source": block_source,
+        "prompts": "token-free: the trace's hash_ids as block names" if cfg.token_free else "token ids",
         "price_per_gpu_hour": cfg.price_per_hour, "levels": levels,
     }
     return result, sim_json
