@@ -126,7 +126,7 @@ def run_plain(args, out: Path) -> tuple[int, float]:
     cfg = SimConfig(model="llama-3.1-8b", hardware="h100", out=out / "run", workers=args.workers,
                     router=RouterConfig(), workloads=(f"trace:{trace}",),
                     load=LoadConfig("rate", rate=args.workers * args.per_worker_rate, duration_s=args.duration),
-                    plots=False, record_chunks=False)
+                    plots=False, record_chunks=False, token_free=args.token_free)
     result, sim = run_simulation(cfg)
     return result.runs[0].summary.requests, sim["levels"][0]["wall_s"]
 
@@ -136,7 +136,7 @@ def py_spy(args, out: Path) -> None:
     raw = out / "py-spy.txt"
     cmd = [exe, "record", "-r", "250", "-f", "raw", "-o", str(raw), "--", sys.executable, __file__, "--workers",
            str(args.workers), "--duration", str(args.duration), "--per-worker-rate", str(args.per_worker_rate),
-           "--out", str(out), "--plain"]
+           "--out", str(out), "--plain"] + (["--token-free"] if args.token_free else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not raw.exists():
         raise SystemExit(f"py-spy failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -168,6 +168,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/sim_profile")
     ap.add_argument("--top", type=int, default=0, help="also print the top N functions by own time")
     ap.add_argument("--py-spy", action="store_true", help="sample the plain run with py-spy instead of cProfile")
+    ap.add_argument("--token-free", action="store_true", help="prompts as the trace's block names (sim --token-free)")
     ap.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)  # the run py-spy samples
     args = ap.parse_args()
     out = Path(args.out)
@@ -183,7 +184,7 @@ def main() -> None:
     cfg = SimConfig(model="llama-3.1-8b", hardware="h100", out=out / "run", workers=args.workers,
                     router=RouterConfig(), workloads=(f"trace:{trace}",),
                     load=LoadConfig("rate", rate=args.workers * args.per_worker_rate, duration_s=args.duration),
-                    plots=False, record_chunks=False)
+                    plots=False, record_chunks=False, token_free=args.token_free)
     print(f"ISA: {capabilities().summary()}")
     prof = cProfile.Profile()
     t0 = time.perf_counter()

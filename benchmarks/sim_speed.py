@@ -18,6 +18,9 @@ table gets the wall-time ratio and a check that both runs gave the same per-requ
 `--compare-block-size 16`: each size also runs with 16-token KV blocks (the default for this trace is its
 512-token hash block, `tokenmill sim`'s auto), side by side: wall time and the simulated results.
 `--split`: where the event loop's time goes per request (router decision, trace planning, hashing).
+`--token-free`: prompts as the trace's block names (`tokenmill sim --token-free`, engine/kv/named_tokens.py).
+`--compare-token-ids`: each size runs token-free and with token ids, same trace, side by side: wall time, and a
+check that both gave the same per-request results (records equal but for their digest).
 `--compare-full`: each size also runs with the router deciding on the full snapshot (RouterConfig.snapshot
 "full": a WorkerView of every worker per decision) instead of its worker table, same trace, side by side: wall
 time, and a check that both runs gave the same per-request results.
@@ -104,12 +107,17 @@ def main() -> None:
     ap.add_argument("--compare-full", action="store_true",
                     help="also run every size with the router on the full snapshot (the decision path before the "
                          "worker table), same trace: wall time ratio and same-results check")
+    ap.add_argument("--token-free", action="store_true", help="prompts as the trace's block names (sim --token-free)")
+    ap.add_argument("--compare-token-ids", action="store_true",
+                    help="run token-free, and also with token ids, same trace: wall time ratio and same-results check")
     ap.add_argument("--split", action="store_true",
                     help="time the router's decision (snapshot, policy, admission), trace planning and chunk hashing "
                          "per request (wrappers around them: adds a little overhead) and print where the time goes")
     args = ap.parse_args()
-    if sum(map(bool, (args.stepping, args.compare_block_size, args.compare_full))) > 1:
-        ap.error("--stepping, --compare-block-size, --compare-full: one comparison per run")
+    if sum(map(bool, (args.stepping, args.compare_block_size, args.compare_full, args.compare_token_ids))) > 1:
+        ap.error("--stepping, --compare-block-size, --compare-full, --compare-token-ids: one comparison per run")
+    if args.compare_token_ids:
+        args.token_free = True
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sizes = [int(w) for w in args.workers.split(",")]
@@ -123,28 +131,32 @@ def main() -> None:
         _instrument(split)
     for w in sizes:
         runs = []
-        variants = [(True, args.block_size, "table")] + \
-            ([(False, args.block_size, "table")] if args.stepping else []) + \
-            ([(True, args.compare_block_size, "table")] if args.compare_block_size else []) + \
-            ([(True, args.block_size, "full")] if args.compare_full else [])
-        for ff, bs, snap in variants:
+        tf = args.token_free
+        variants = [(True, args.block_size, "table", tf)] + \
+            ([(False, args.block_size, "table", tf)] if args.stepping else []) + \
+            ([(True, args.compare_block_size, "table", tf)] if args.compare_block_size else []) + \
+            ([(True, args.block_size, "full", tf)] if args.compare_full else []) + \
+            ([(True, args.block_size, "table", False)] if args.compare_token_ids else [])
+        for ff, bs, snap, token_free in variants:
             cfg = SimConfig(model="llama-3.1-8b", hardware="h100", out=out / f"w{w}", workers=w,
                             router=RouterConfig(snapshot=snap), workloads=(f"trace:{trace}",),
                             load=LoadConfig("rate", rate=w * args.per_worker_rate, duration_s=args.duration),
-                            plots=False, record_chunks=False, fast_forward=ff, block_size=bs)
+                            plots=False, record_chunks=False, fast_forward=ff, block_size=bs, token_free=token_free)
             split.clear()
             CALLS.clear()
             t0 = time.perf_counter()
             result, sim = run_simulation(cfg)
-            if args.split and (ff, bs, snap) == variants[0]:
+            if args.split and (ff, bs, snap, token_free) == variants[0]:
                 splits.append((w, result.runs[0].summary.requests, sim["levels"][0]["wall_s"], dict(split),
                                dict(CALLS)))
             lvl = dict(sim["levels"][0], total_s=time.perf_counter() - t0, block_size=sim["worker"]["block_size"])
             runs.append((result, lvl))
         (result, lvl), s = runs[0], runs[0][0].runs[0].summary
         other = runs[1] if len(runs) > 1 else None
-        same = other is not None and [r.to_json() for r in result.runs[0].records] == \
-            [r.to_json() for r in other[0].runs[0].records]
+        drop = {"digest"} if args.compare_token_ids else set()  # a token-free record's digest is of the names
+        same = other is not None and [{k: v for k, v in r.to_json().items() if k not in drop}
+                                      for r in result.runs[0].records] == \
+            [{k: v for k, v in r.to_json().items() if k not in drop} for r in other[0].runs[0].records]
         rows.append((w, s.requests, lvl["steps"], lvl["events"], lvl["wall_s"], lvl["simulated_s"], s,
                      other, same, lvl, result))
     print(f"KV block size {rows[0][9]['block_size']} tokens" + (f" (compared: {args.compare_block_size})"
@@ -164,18 +176,21 @@ def main() -> None:
                         f" | {m.tpot_ms.p50 if m.tpot_ms else 0:.2f} | {hit:.1f}")
             print(f"| {w} | {req} | {wall:.1f} | {ev / wall:.0f} | {lvl['total_s']:.1f} | {cols(res.runs[0], lvl)} | "
                   f"{ol['wall_s']:.1f} | {ol['total_s']:.1f} | {cols(other[0].runs[0], ol)} | {ol['wall_s'] / wall:.1f} |")
-    versus = "full snapshot" if args.compare_full else "stepping"
+    versus = "full snapshot" if args.compare_full else "token ids" if args.compare_token_ids else "stepping"
+    print(f"prompts: {'token-free (block names)' if args.token_free else 'token ids'}")
     print("\n| workers | requests | engine steps | events | wall s | events/s | steps/s | simulated s | "
           f"sim-s per wall-s | completed | TTFT p50 ms | TPOT p50 ms | {versus}: events | wall s | x faster | "
-          "same results |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          f"same results | ms/request | CPU ms/request | {versus}: CPU ms/request | x less CPU |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for w, req, steps, ev, wall, simulated, s, other, same, lvl, _ in rows:
-        step = other[1] if other and (args.stepping or args.compare_full) else None
+        step = other[1] if other and (args.stepping or args.compare_full or args.compare_token_ids) else None
         st = (f"{step['events']} | {step['wall_s']:.1f} | {step['wall_s'] / wall:.1f} | {'yes' if same else 'NO'}"
               if step else "- | - | - | -")
         print(f"| {w} | {req} | {steps} | {ev} | {wall:.1f} | {ev / wall:.0f} | {steps / wall:.0f} | "
               f"{simulated:.0f} | {simulated / wall:.2f} | {s.completed} | {s.ttft_ms.p50 if s.ttft_ms else 0:.0f} | "
-              f"{s.tpot_ms.p50 if s.tpot_ms else 0:.1f} | {st} |")
+              f"{s.tpot_ms.p50 if s.tpot_ms else 0:.1f} | {st} | {1e3 * wall / req:.2f} | "
+              f"{1e3 * lvl['cpu_s'] / req:.2f} | " +
+              (f"{1e3 * step['cpu_s'] / req:.2f} | {step['cpu_s'] / lvl['cpu_s']:.2f} |" if step else "- | - |"))
     if splits:
         print("\nwhere the event loop's time goes, per request (us; --split):\n")
         labels = list(SPLIT_LABELS.values())

@@ -69,6 +69,25 @@ def chunk_hashes(prompt, chunk: int) -> tuple[bytes, ...]:
     return tuple(hashes)
 
 
+def named_chunk_hashes(names, length: int, block: int, chunk: int) -> tuple[bytes, ...]:
+    """chunk_hashes of a token-free prompt (engine/kv/named_tokens.py): `length` tokens in blocks of `block`
+    tokens named `names` (a Mooncake trace's hash_ids). Chunks must be the named blocks (chunk == block): a
+    chunk's hash chains its name, h_i = blake2b(h_{i-1} || name_i), so two prompts' chunk hashes are equal
+    exactly where their names are, as token-id chunks' are where their ids are."""
+    if chunk != block:
+        raise ValueError(f"a token-free prompt's chunks are its {block}-token named blocks, not {chunk} tokens "
+                         "(set the router's prefix_index.chunk_tokens to the block size)")
+    hashes: list[bytes] = []
+    parent = b""
+    for name in names[:length // chunk]:
+        parent = hashlib.blake2b(parent + _NAME.pack(b"name", name), digest_size=12).digest()
+        hashes.append(parent)
+    return tuple(hashes)
+
+
+_NAME = struct.Struct("<4sq")  # a named chunk's bytes: a marker, then the name as int64
+
+
 def _ids_bytes(ids) -> bytes:
     if hasattr(ids, "astype"):  # a numpy array of ids (the simulator's prompts): the same bytes, ~10x faster
         return ids.astype("<i4").tobytes()

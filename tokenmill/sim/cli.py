@@ -57,6 +57,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--no-fast-forward", action="store_true",
                    help="step every decode step (default: steady decode runs in one event, same results)")
     g.add_argument("--no-token-times", action="store_true", help="do not keep every token's time (big runs)")
+    g.add_argument("--token-free", action="store_true",
+                   help="Mooncake trace only: prompts as their hash_ids block names, no token ids (much faster; the "
+                        "same schedule; records' digest of the names)")
     sub = p.add_subparsers(dest="sim_command", metavar="calibrate")
     c = sub.add_parser("calibrate", help="measure this machine's engine step times and fit the cost model",
                        description="Measure the real engine's step times over a grid and fit the calibrated cost model.")
@@ -166,7 +169,7 @@ def build_config(args: argparse.Namespace):
         plots=not args.no_plots, roofline=roofline, kv_cache_bytes=kv, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-        step_budget=not args.no_step_budget, fast_forward=not args.no_fast_forward,
+        step_budget=not args.no_step_budget, fast_forward=not args.no_fast_forward, token_free=args.token_free,
         price_per_hour=args.price_per_hour,
         record_chunks=not args.no_token_times, command=tuple(command))
 

@@ -22,9 +22,10 @@ from tokenmill.bench.record import RequestRecord
 from tokenmill.bench.runner import LoadConfig
 from tokenmill.bench.session import Session
 from tokenmill.engine.kv.hashing import block_hashes_of_array
+from tokenmill.engine.kv.named_tokens import NamedTokens
 from tokenmill.router.config import RouterConfig
 from tokenmill.router.prompt import PromptKey
-from tokenmill.router.prefix_index import chunk_hashes
+from tokenmill.router.prefix_index import chunk_hashes, named_chunk_hashes
 from tokenmill.router.queues import Held
 from tokenmill.router.router import Refused, RequestCtx, Router
 from tokenmill.router.worker_state import WorkerSpec
@@ -177,8 +178,12 @@ class ClusterSim:
         if self._deadline is not None and due >= self._deadline:
             return self._session_over(session)
         turn = session.turns[k]
-        arr = turn.flat_tokens()
-        ids = arr.tolist()
+        named = turn.named
+        if named is None:
+            arr = turn.flat_tokens()
+            ids = arr.tolist()
+        else:  # token-free (a Mooncake trace's block names): no token ids (engine/kv/named_tokens.py)
+            arr, ids = None, NamedTokens(named.names, named.length, named.block_size)
         rec = RequestRecord(f"{session.index}-{k}", session.class_name, session.index, k, turn.prompt_tokens,
                             turn.max_tokens, due, sent_s=self.loop.now, digest=turn.digest())
         self.records.append(rec)
@@ -187,7 +192,9 @@ class ClusterSim:
             rec.status, rec.http_status, rec.end_s = "failed", 400, self.loop.now
             rec.error = f"HTTP 400: unknown workload class {session.class_name!r}"
             return self._session_over(session)
-        key = PromptKey(chunk_hashes(arr, self.chunk_tokens), True, len(ids), self.chunk_tokens)
+        chunks = chunk_hashes(arr, self.chunk_tokens) if named is None else \
+            named_chunk_hashes(named.names, named.length, named.block_size, self.chunk_tokens)
+        key = PromptKey(chunks, True, len(ids), self.chunk_tokens)
         ctx = self.router.new_request(key, cls, turn.max_tokens)
         live = _Live(rec, session, ctx)
         self.router.submit(ctx, lambda flight, refused: self._dispatched(live, ids, flight, refused, arr))
@@ -203,8 +210,12 @@ class ClusterSim:
         cls = live.ctx.cls
         # the prompt's block hashes, computed once (as the server's admission keeps them), from the planned
         # array's buffer when there is one (the same values as hashing the list block by block)
-        hashes = block_hashes_of_array(arr, w.cfg.block_size) if arr is not None and w.cfg.enable_prefix_caching \
-            else []
+        if not w.cfg.enable_prefix_caching:
+            hashes = []
+        elif isinstance(ids, NamedTokens):
+            hashes = ids.block_hashes(ids.length // ids.block_size)
+        else:
+            hashes = block_hashes_of_array(arr, w.cfg.block_size) if arr is not None else []
         hit = min(w.cached_prefix_tokens(ids, hashes), len(ids) - 1)
         rank = 0 if 0 < len(ids) - hit <= CHEAP_PREFILL_TOKENS else 1
         rid = live.ctx.request_id

@@ -52,6 +52,7 @@ class SimConfig:
     enable_prefix_caching: bool = True
     step_budget: bool = True
     fast_forward: bool = True  # steady decode steps in one event (sim/decode_run.py): same results, faster
+    token_free: bool = False  # Mooncake trace prompts by their hash_ids block names, no token ids (token_free_workload)
     price_per_hour: float | None = None  # per GPU
     record_chunks: bool = True  # every token's time (ITL); off for very large runs
     command: tuple[str, ...] = ()
@@ -80,6 +81,25 @@ def block_size_for(workload) -> tuple[int, str]:
     if isinstance(workload, Trace) and workload.rows[0].hash_ids is not None:
         return BLOCK_TOKENS, f"auto: the Mooncake trace's hash block ({BLOCK_TOKENS} tokens)"
     return DEFAULT_BLOCK_SIZE, "auto: the engine's default"
+
+
+def token_free_workload(workload, block_size: int, chunk_tokens: int):
+    """`--token-free`: the Mooncake trace's prompts as named blocks (its hash_ids) instead of synthesized token
+    ids -- the real scheduler, KV manager and router run on them (engine/kv/named_tokens.py), with the same
+    results as on the ids except for chance coincidences with the placeholder output token; the records' digest
+    is then of the names. Needs the trace's own block size for the KV blocks and the router's chunks."""
+    from tokenmill.bench.workloads.trace import BLOCK_TOKENS, Trace
+
+    if not isinstance(workload, Trace):
+        raise CLIError("--token-free replays a Mooncake trace (--workload trace:FILE.jsonl) only")
+    try:
+        workload = workload.named()
+    except ValueError as e:
+        raise CLIError(f"--token-free: {e}") from None
+    if block_size != BLOCK_TOKENS or chunk_tokens != BLOCK_TOKENS:
+        raise CLIError(f"--token-free needs the trace's {BLOCK_TOKENS}-token blocks: KV --block-size {block_size}, "
+                       f"router chunk {chunk_tokens} tokens")
+    return workload
 
 
 @dataclass
@@ -152,6 +172,8 @@ def run_simulation(cfg: SimConfig) -> tuple[BenchResult, dict]:
     built = build(cfg)
     slos = resolve_slos(list(cfg.slos), workload.classes)
     router_cfg = _router_with_slos(_router_chunks(cfg.router, cfg.block_size), slos, cfg.slos)
+    if cfg.token_free:
+        workload = token_free_workload(workload, cfg.block_size, router_cfg.prefix_index.chunk_tokens)
     result = BenchResult(
         command=list(cfg.command), seed=cfg.seed, slos=slos, runs=[], tokenizer=vocab.describe(),
         workload=workload.describe(),
@@ -162,14 +184,14 @@ def run_simulation(cfg: SimConfig) -> tuple[BenchResult, dict]:
     def run_at(load: LoadConfig) -> RunResult:
         plan = schedule(workload, load, cfg.seed)
         sim = ClusterSim(router_cfg, cfg.workers, built.worker, built.cost, record_chunks=cfg.record_chunks)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         records, stats = sim.run(plan, load)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         duration = run_duration(records)
         run = RunResult(load.label, load, records, summarize(records, slos, duration),
                         summarize_by_class(records, slos, duration), plan_digest(records, load))
         result.runs.append(run)
-        levels.append(_level_json(run, stats, wall, cfg, built))
+        levels.append(_level_json(run, stats, wall, cfg, built, cpu))
         return run
 
     if cfg.sweep is None:
@@ -187,6 +209,7 @@ def run_simulation(cfg: SimConfig) -> tuple[BenchResult, dict]:
                                                                "admission": router_cfg.admission.mode,
                                                                "chunk_tokens": router_cfg.prefix_index.chunk_tokens},
         "worker": dataclasses.asdict(built.worker), "block_size_source": block_source,
+        "prompts": "token-free: the trace's hash_ids as block names" if cfg.token_free else "token ids",
         "price_per_gpu_hour": cfg.price_per_hour, "levels": levels,
     }
     return result, sim_json
@@ -217,11 +240,13 @@ def _router_with_slos(router: RouterConfig, slos: dict[str, SLO], given: tuple[s
     return replace(router, classes=tuple(classes))
 
 
-def _level_json(run: RunResult, stats: LevelStats, wall_s: float, cfg: SimConfig, built: Built) -> dict:
+def _level_json(run: RunResult, stats: LevelStats, wall_s: float, cfg: SimConfig, built: Built,
+                cpu_s: float | None = None) -> dict:
     s = run.summary
     gpus = cfg.workers * built.gpus_per_worker
     busy = sum(stats.busy_s) / max(1, len(stats.busy_s)) / stats.sim_end_s if stats.sim_end_s > 0 else 0.0
     out = {"label": run.label, "events": stats.events, "steps": stats.steps, "wall_s": wall_s,
+           "cpu_s": cpu_s,  # this process's CPU time in the loop (wall_s minus waiting on a shared machine)
            "events_per_s": stats.events / wall_s if wall_s > 0 else None, "simulated_s": stats.sim_end_s,
            "speedup_vs_real_time": stats.sim_end_s / wall_s if wall_s > 0 else None,
            "mean_worker_busy": busy, "gpus": gpus, "prompt_tokens": stats.prompt_tokens,

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.engine.kv.kv_manager import KVCacheManager
+from tokenmill.engine.kv.named_tokens import NamedTokens
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
@@ -100,7 +101,7 @@ class SimWorker:
         self.cut_run()
         return self.kv.cached_prefix_tokens(token_ids, hashes)
 
-    def add(self, request_id: str, token_ids: list[int], max_tokens: int, priority: int = 0,
+    def add(self, request_id: str, token_ids: list[int] | NamedTokens, max_tokens: int, priority: int = 0,
             ttft_deadline: float = float("inf"), tpot_slo_s: float | None = None, rank: int = 0,
             block_hashes: list[int] | None = None) -> str | None:
         """Queue a request; returns an error ('invalid: ...' or 'overloaded: ...') instead of raising, as the
@@ -113,9 +114,13 @@ class SimWorker:
                     f"{n + max_tokens} requested")
         if self.scheduler.num_waiting + len(self.pending) >= self.cfg.max_waiting_requests:
             return f"overloaded: waiting queue is full ({self.cfg.max_waiting_requests} requests)"
+        named = isinstance(token_ids, NamedTokens)  # a token-free prompt (engine/kv/named_tokens.py)
+        if named and token_ids.block_size != self.cfg.block_size:
+            raise ValueError(f"a token-free prompt of {token_ids.block_size}-token named blocks on a worker with "
+                             f"{self.cfg.block_size}-token KV blocks")
         req = Request(request_id, token_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority,
                       max_total_tokens=self.cfg.max_model_len, ttft_deadline=ttft_deadline, tpot_slo_s=tpot_slo_s,
-                      rank=rank)
+                      rank=rank, all_token_ids=token_ids.copy() if named else [])
         if block_hashes:
             req.block_hashes = block_hashes
         self.prompt_tokens += n

@@ -12,6 +12,7 @@ Azure CSV (`TIMESTAMP, ContextTokens, GeneratedTokens`): lengths only; every pro
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import math
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenmill.bench.session import Message, Session, Turn
+from tokenmill.bench.session import Message, NamedPrompt, Session, Turn
 from tokenmill.bench.workloads.registry import Workload, check, register_workload
 
 BLOCK_TOKENS = 512  # Mooncake's hash block size
@@ -153,8 +154,24 @@ class Trace(Workload):
         """The 512 tokens of one hash block (see blocks)."""
         return self.blocks([hash_id])[0]
 
+    named_prompts = False  # sessions carry the hash ids as named blocks, no token ids (`named()`)
+
+    def named(self) -> Trace:
+        """This trace with token-free prompts: each turn names its 512-token blocks by the row's hash_ids
+        (bench/session.NamedPrompt) instead of carrying their synthesized token ids. For the simulator only
+        (`tokenmill sim --token-free`); a Mooncake trace's, an Azure trace has no block names."""
+        if self.rows[0].hash_ids is None:
+            raise ValueError(f"{self.params.path}: token-free prompts need a Mooncake trace (hash_ids); "
+                             "an Azure trace has lengths only")
+        other = copy.copy(self)
+        other.named_prompts = True
+        return other
+
     def session(self, index: int) -> Session:
         row = self.rows[index]
+        if self.named_prompts:
+            turn = Turn((), row.output_length, named=NamedPrompt(row.hash_ids, row.input_length, BLOCK_TOKENS))
+            return Session(index, self.params.class_name, (turn,), start_s=row.time_s * self.params.time_scale)
         if row.hash_ids is None:
             tokens = self.vocab.sample(self.rng("prompt", index), row.input_length)
         else:

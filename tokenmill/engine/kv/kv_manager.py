@@ -7,7 +7,16 @@ from __future__ import annotations
 
 from tokenmill.engine.kv.block_pool import BlockPool, KVBlock
 from tokenmill.engine.kv.hashing import ROOT_HASH, block_hashes, hash_block
+from tokenmill.engine.kv.named_tokens import NamedTokens, hash_content
 from tokenmill.engine.request import Request
+
+
+def _block_of(tokens, bs: int):
+    """i -> block i's tokens as the prefix cache compares them: a slice of a token-id list, or a token-free
+    prompt's block content (engine/kv/named_tokens.py)."""
+    if isinstance(tokens, NamedTokens):
+        return tokens.block
+    return lambda i: tokens[i * bs:(i + 1) * bs]
 
 
 class KVCacheManager:
@@ -24,8 +33,12 @@ class KVCacheManager:
         """Hashes of the request's full blocks within its first num_tokens tokens (cached on the request)."""
         n_full = num_tokens // self.block_size
         if len(req.block_hashes) < n_full:
-            req.block_hashes = block_hashes(req.all_token_ids[: n_full * self.block_size], self.block_size,
-                                            req.block_hashes)
+            toks = req.all_token_ids
+            if isinstance(toks, NamedTokens):
+                req.block_hashes = toks.block_hashes(n_full, req.block_hashes)
+            else:
+                req.block_hashes = block_hashes(toks[: n_full * self.block_size], self.block_size,
+                                                req.block_hashes)
         return req.block_hashes[:n_full]
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
@@ -36,9 +49,9 @@ class KVCacheManager:
         bs = self.block_size
         hashes = self._hashes(req, req.num_tokens - 1)
         hits: list[KVBlock] = []
-        toks = req.all_token_ids
+        block = _block_of(req.all_token_ids, bs)
         for i, h in enumerate(hashes):
-            b = self.pool.lookup(h, toks[i * bs:(i + 1) * bs])
+            b = self.pool.lookup(h, block(i))
             if b is None:
                 break
             hits.append(b)
@@ -54,10 +67,12 @@ class KVCacheManager:
             return 0
         hashes = [] if hashes is None else hashes
         bs, n = self.block_size, 0
+        block = _block_of(token_ids, bs)
+        named = isinstance(token_ids, NamedTokens)
         for i in range((len(token_ids) - 1) // bs):
-            toks = token_ids[i * bs:(i + 1) * bs]
+            toks = block(i)
             if i == len(hashes):
-                hashes.append(hash_block(hashes[-1] if hashes else ROOT_HASH, toks))
+                hashes.append((hash_content if named else hash_block)(hashes[-1] if hashes else ROOT_HASH, toks))
             if self.pool.lookup(hashes[i], toks) is None:
                 break
             n += bs
@@ -103,9 +118,9 @@ class KVCacheManager:
         if num_tokens // bs <= req.num_registered_blocks:  # no block became full (most decode steps): nothing
             return  # to hash or register (the hashes of the registered blocks are already on the request)
         hashes = self._hashes(req, num_tokens)
-        toks = req.all_token_ids
+        block = _block_of(req.all_token_ids, bs)
         for i in range(req.num_registered_blocks, len(hashes)):
-            self.pool.register(table[i], hashes[i], toks[i * bs:(i + 1) * bs])
+            self.pool.register(table[i], hashes[i], block(i))
         req.num_registered_blocks = max(req.num_registered_blocks, len(hashes))
 
     def truncate(self, req: Request, num_tokens: int) -> None:
