@@ -17,13 +17,11 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.scheduler import ScheduledSeq, SchedulerOutput
-from tokenmill.hardware import capabilities
 from tokenmill.model.cpu_kernels import get_kernels
 from tokenmill.model.linear import onednn_bf16
 
 needs_kernels = pytest.mark.skipif(get_kernels() is None, reason="no C++ CPU kernels on this machine")
 needs_bf16 = pytest.mark.skipif(not onednn_bf16(), reason="bf16 is emulated on this CPU")
-needs_int8 = pytest.mark.skipif(not capabilities().native_int8, reason="int8 is emulated on this CPU")
 
 PROMPTS = [[5, 17, 300, 42, 9, 11], [7, 8, 9], list(range(40, 80)), [1000, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
@@ -142,9 +140,8 @@ MIXED = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),  # greed
 @needs_kernels
 @pytest.mark.parametrize("dtype,quant,kv", [
     ("float32", "none", "auto"), pytest.param("bfloat16", "none", "auto", marks=needs_bf16),
-    pytest.param("float32", "int8", "auto", marks=needs_int8),
-    pytest.param("bfloat16", "int8", "auto", marks=[needs_bf16, needs_int8]),
-    pytest.param("bfloat16", "int8", "int8", marks=[needs_bf16, needs_int8]), ("float32", "none", "bfloat16")])
+    ("float32", "int8", "auto"), ("bfloat16", "int8", "auto"), ("bfloat16", "int8", "int8"),
+    ("float32", "none", "bfloat16")])
 def test_engine_outputs_equal_with_the_fast_path_on_and_off(tiny_dir, dtype, quant, kv):
     llm = LLM(str(tiny_dir), dtype=dtype, quantization=quant, kv_cache_dtype=kv, kv_cache_bytes="8MiB")
     assert llm.engine.runner.model.fused is not None and llm.engine.runner.model.fused.use_handle
