@@ -22,7 +22,17 @@ pytestmark = pytest.mark.skipif(get_kernels() is None, reason="no C++ CPU kernel
 # int8 models get it wherever the kernels build (their decoder linears are all int8, whatever the activations' dtype):
 # for steps of any size where an int8 linear has a > 8-row int8 path, else for steps of at most MAX_TOKENS tokens
 needs_bf16 = pytest.mark.skipif(not onednn_bf16(), reason="bf16 is emulated on this CPU: no fused bf16 stack")
-needs_int8 = pytest.mark.skipif(not capabilities().native_int8, reason="int8 is emulated on this CPU: no fused int8 stack")
+
+
+def _int8_stack() -> bool:  # native int8 dot products, or the AVX2 exact int8 kernels (csrc/int8_gemm.cpp)
+    from tokenmill.model.cpu_kernels import get_kernels
+    from tokenmill.model.linear import avx2_int8_by_env
+
+    k = get_kernels()
+    return capabilities().native_int8 or (k is not None and k.has_avx2_int8() and avx2_int8_by_env())
+
+
+needs_int8 = pytest.mark.skipif(not _int8_stack(), reason="no int8 GEMM on this CPU: no fused int8 stack")
 
 PROMPTS = [[5, 17, 300, 42, 9, 11], [7, 8, 9], list(range(40, 80)), [1000, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 # 13 sequences: decode steps of more than 8 tokens (oneDNN / int8 GEMM inside the stack), contexts 3..70
@@ -138,14 +148,15 @@ def test_a_wrong_large_step_linear_is_caught(tiny_dir):
 
 @needs_int8
 def test_int8_without_an_int8_gemm_keeps_the_stack_to_small_steps(tiny_dir):
-    """Where an int8 linear has no int8 GEMM (no VNNI: the module path computes its big products in fp32) the
-    stack takes at most MAX_TOKENS tokens, and larger steps run the modules."""
+    """Where an int8 linear has no int8 GEMM (no VNNI, no AVX2 kernels: the module path computes its big products in
+    fp32) the stack takes at most MAX_TOKENS tokens, and larger steps run the modules."""
     from tokenmill.model.fused_decode import ANY, MAX_TOKENS
 
     llm = LLM(str(tiny_dir), dtype="float32", quantization="int8", kv_cache_bytes="8MiB")
     model = llm.engine.runner.model
     assert model.fused.max_tokens == ANY
     model.layers[1].mlp.down_proj.int8_gemm = False
+    model.layers[1].mlp.down_proj.avx2_panels = None  # and no AVX2 int8 kernels either
     model.fused = FusedDecodeStack.build(model)
     assert model.fused.max_tokens == MAX_TOKENS
     counting = _Counting(model.fused)

@@ -23,10 +23,17 @@ _k = get_kernels()
 pytestmark = pytest.mark.skipif(_k is None or not _k.has_prefill_attention(),
                                 reason="no C++ prefill attention on this machine")
 needs_bf16 = pytest.mark.skipif(not onednn_bf16(), reason="bf16 is emulated on this CPU: no fused bf16 stack")
-# without int8 dot products the int8 stack takes steps of at most 8 tokens (fused_decode.py), and this file's steps
-# are larger (48-token chunks): those run the modules there
-needs_int8 = pytest.mark.skipif(not capabilities().native_int8,
-                                reason="no int8 GEMM on this CPU: the int8 stack takes no step of more than 8 tokens")
+
+
+def _int8_stack() -> bool:  # native int8 dot products, or the AVX2 exact int8 kernels (csrc/int8_gemm.cpp)
+    from tokenmill.model.cpu_kernels import get_kernels
+    from tokenmill.model.linear import avx2_int8_by_env
+
+    k = get_kernels()
+    return capabilities().native_int8 or (k is not None and k.has_avx2_int8() and avx2_int8_by_env())
+
+
+needs_int8 = pytest.mark.skipif(not _int8_stack(), reason="no int8 GEMM on this CPU: no fused int8 stack")
 
 # long prompts (several 48-token chunks), short ones (decoding while others prefill), a shared prefix (cache hit)
 PROMPTS = [list(range(3, 120)), [7, 8, 9], list(range(40, 80)) + [5] * 30, [1000, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],

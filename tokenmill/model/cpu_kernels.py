@@ -39,7 +39,7 @@ def _isa_flags() -> tuple[str, list[str]]:
 
 # the extension's C++ sources (one module; paged_decode.cpp holds the module definition, which registers the rest)
 SOURCES = ["paged_decode.cpp", "prefill_attention.cpp", "lm_head.cpp", "decode_gemv.cpp", "mixed_stack.cpp",
-           "decode_step.cpp", "head_argmax.cpp"]
+           "decode_step.cpp", "head_argmax.cpp", "int8_gemm.cpp"]
 HEADERS = ["simd_exp.h"]  # included by the sources: part of the build digest
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # storage types; the math is fp32 in both
 

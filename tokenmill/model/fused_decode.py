@@ -8,8 +8,9 @@ take the small-row kernels; larger steps take oneDNN's prepacked GEMM or the int
 the C++ quantize and dequantize), as the modules do. It calls the same kernels the modules in llama.py pick for
 such a step, in the same order, so its results are the same bits (tests/model/test_fused_decode.py checks that
 against the module path, which stays the reference and the fallback for everything else: prefill chunks, fp16,
-CUDA, no compiler). Where some int8 linear has no int8 GEMM (no VNNI: the module path computes it in fp32
-instead) the stack takes steps of at most `MAX_TOKENS` tokens only (`max_tokens`).
+CUDA, no compiler). Int8 linears without a safe oneDNN int8 GEMM (AVX2 only) take the AVX2 exact kernels
+(csrc/int8_gemm.cpp, KIND_AVX2_INT8) at any size, as the modules do; where some int8 linear has neither (the module
+path computes it in fp32: TOKENMILL_AVX2_INT8=0) the stack takes steps of at most `MAX_TOKENS` tokens only.
 
 `FusedDecodeStack.build(model)` returns None when some part of the model has no small-batch C++ kernel (then the
 module path runs every step). TOKENMILL_FUSED_DECODE=0 turns the fused path off.
@@ -32,7 +33,7 @@ from tokenmill.model.linear import small_row_bits_on
 MAX_TOKENS = 8  # the small-batch linear kernels' row limit (PackedWeight.SMALL_ROWS, Int8LinearMethod.SMALL_ROWS)
 ANY = 1 << 62  # max_tokens of a stack that runs decode steps of any size
 LIN_SLOTS_PY, LAYER_SLOTS_PY = 6, 4 + 4 * 6  # the weight-list layout of csrc's decoder_stack (LIN_SLOTS, LAYER_SLOTS)
-KIND_FLOAT, KIND_VNNI, KIND_INT8_FLOAT_ACT = 0, 1, 2
+KIND_FLOAT, KIND_VNNI, KIND_INT8_FLOAT_ACT, KIND_AVX2_INT8 = 0, 1, 2, 3
 
 
 def fast_path_by_env() -> bool:
@@ -97,6 +98,8 @@ class FusedDecodeStack:
         steps of more than MAX_TOKENS rows can run it) or None when this Linear has no small-row kernel."""
         empty = torch.empty(0)
         bias = lin.bias if lin.bias is not None else empty
+        if hasattr(lin, "w8") and getattr(lin, "avx2_panels", None) is not None:  # AVX2 exact int8, any row count
+            return KIND_AVX2_INT8, [lin.w8, empty, lin.w_scale, bias, empty, lin.avx2_panels], True
         if hasattr(lin, "w8"):
             big = [empty, lin.w8_t] if lin.int8_gemm else [empty, empty]  # no int8 GEMM: modules use fp32 math
             if lin.int8_gemm and lin.in_features % 64 == 0 and kernels.has_vnni_small():

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.cpu_kernels import kernels_for
+from tokenmill.model.cpu_kernels import get_kernels, kernels_for
 
 
 _SMALL_BITS = [False]  # inside `small_row_bits(True)`: calls of any row count get the small-row kernel's bits
@@ -61,6 +61,15 @@ class LinearMethod:
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         """Called once the checkpoint is in and the model is on its device (repack, quantize, ...)."""
+
+
+def avx2_int8_by_env() -> bool:
+    """TOKENMILL_AVX2_INT8 (default 1): on a CPU without int8 dot products, int8 linears run the AVX2 exact
+    kernels (csrc/int8_gemm.cpp); 0: the path before them (read when the weights are loaded)."""
+    v = os.environ.get("TOKENMILL_AVX2_INT8", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"TOKENMILL_AVX2_INT8 must be 0 or 1, got {v!r}")
+    return v == "1"
 
 
 def onednn_available() -> bool:
@@ -157,9 +166,13 @@ class Int8LinearMethod(UnquantizedLinearMethod):
     int8 GEMM (`torch._int_mm`, int32 accumulation) between a fused C++ quantize and a fused dequantize
     (scales and bias applied in one pass). Calls with at most 8 rows (decode at small batch: memory-bound)
     stream the int8 weights once instead: with AVX-512 VNNI through `linear_small_vnni` (the same W8A8 product,
-    bit-identical int32 sums, 64 int8 products per instruction: ~3x `linear_small_int8` on the demo shapes),
-    else through `linear_small_int8` with the activations kept in their dtype (W8, float activations).
-    Nothing is dequantized to a float matmul on the hot path."""
+    bit-identical int32 sums, 64 int8 products per instruction: ~3x `linear_small_int8` on the demo shapes).
+    On a CPU without int8 dot products (AVX2 only: oneDNN's int8 GEMM is not safe there, `int8_gemm` False) the
+    same W8A8 product runs through the AVX2 exact kernels of csrc/int8_gemm.cpp: `avx2_int8_gemv` for at most 8
+    rows (the int8 weight streamed once), `avx2_int8_gemm` above (int16 weight panels packed here at load time,
+    vpmaddwd into int32): bit-identical to quantize_rows + an int32 product + dequant_rows, for any row count.
+    TOKENMILL_AVX2_INT8=0 restores the path before them there (`linear_small_int8`, W8 with float activations, for
+    <= 8 rows; the dequantize-to-fp32 matmul above). Nothing is dequantized to a float matmul on the hot path."""
 
     SMALL_ROWS = 8
 
@@ -184,13 +197,23 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         # not just slow ones. There the int8 product runs dequantized in fp32 instead (exact, and slower: the
         # dequant tax on hardware without int8 dot products).
         layer.int8_gemm = layer.w8.device.type == "cpu" and capabilities().native_int8
+        # no safe oneDNN int8 GEMM: the AVX2 exact kernels, with their int16 panels (2 bytes per weight) packed once
+        layer.avx2_panels = None
+        if layer.w8.device.type == "cpu" and not layer.int8_gemm and avx2_int8_by_env():
+            k = get_kernels()
+            if k is not None and hasattr(k, "has_avx2_int8") and k.has_avx2_int8():
+                layer.avx2_panels = k.avx2_int8_pack(layer.w8)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         lead, k_in = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k_in).contiguous()
         m, n = x2.shape[0], layer.out_features
         kernels = kernels_for(x2)
-        if kernels is not None and m > 0 and (m <= self.SMALL_ROWS or layer.int8_gemm):
+        if kernels is not None and m > 0 and getattr(layer, "avx2_panels", None) is not None:
+            out = torch.empty(m, n, dtype=x.dtype)  # exact W8A8, the same bits for any m (csrc/int8_gemm.cpp)
+            if m > self.SMALL_ROWS or not kernels.avx2_int8_gemv(out, x2, layer.w8, layer.w_scale, layer.bias):
+                kernels.avx2_int8_gemm(out, x2, layer.avx2_panels, layer.w_scale, layer.bias)
+        elif kernels is not None and m > 0 and (m <= self.SMALL_ROWS or layer.int8_gemm):
             out = torch.empty(m, n, dtype=x.dtype)
             if m <= self.SMALL_ROWS and k_in % 64 == 0 and layer.int8_gemm and kernels.has_vnni_small():
                 kernels.linear_small_vnni(out, x2, layer.w8, layer.w8_sum, layer.w_scale, layer.bias)
@@ -205,8 +228,9 @@ class Int8LinearMethod(UnquantizedLinearMethod):
             xf = x2.float()
             sx = (xf.abs().amax(dim=1, keepdim=True) / 127.0)
             sx = torch.where(sx > 0, sx, torch.ones_like(sx))
-            q = torch.round(xf / sx).clamp_(-127, 127)
-            y = (q @ layer.w8_t.float()) * sx * layer.w_scale  # fp32 sums: exact while 127*127*K < 2^24
+            q = torch.round(xf * (1.0 / sx)).clamp_(-127, 127)  # quantize_rows' arithmetic (x times 1/s)
+            # fp32 sums: exact while every partial sum stays below 2^24 (guaranteed for 127*127*K < 2^24: K <= 1040)
+            y = (q @ layer.w8_t.float()) * sx * layer.w_scale
             out = (y + layer.bias.float() if layer.bias is not None else y).to(x.dtype)
         return out.view(*lead, n)
 

@@ -32,6 +32,11 @@ void linear_small_vnni(torch::Tensor out, torch::Tensor x, torch::Tensor w8, tor
 void quantize_rows(torch::Tensor q, torch::Tensor scale, torch::Tensor x);
 void dequant_rows(torch::Tensor out, torch::Tensor acc, torch::Tensor sx, torch::Tensor sw,
                   c10::optional<torch::Tensor> bias);
+// csrc/int8_gemm.cpp
+bool avx2_int8_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch::Tensor sw,
+                    c10::optional<torch::Tensor> bias);
+void avx2_int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor panels, torch::Tensor sw,
+                    c10::optional<torch::Tensor> bias);
 // csrc/prefill_attention.cpp
 bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                        torch::Tensor v_cache, torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor ctx_lens,
@@ -70,7 +75,15 @@ torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w
     auto out = at::empty({T, n_out}, x.options());
     if (kind == 0) linear_small(out, x, w[base], opt(bias));
     else if (kind == 1) linear_small_vnni(out, x, w[base], w[base + 1], w[base + 2], opt(bias));
-    else linear_small_int8(out, x, w[base], w[base + 2], opt(bias));
+    else if (kind == 3) {
+      if (!avx2_int8_gemv(out, x, w[base], w[base + 2], opt(bias)))
+        avx2_int8_gemm(out, x, w[base + 5], w[base + 2], opt(bias));
+    } else linear_small_int8(out, x, w[base], w[base + 2], opt(bias));
+    return out;
+  }
+  if (kind == 3) {  // AVX2 exact int8 (csrc/int8_gemm.cpp), what Int8LinearMethod calls without an int8 GEMM
+    auto out = at::empty({T, n_out}, x.options());
+    avx2_int8_gemm(out, x, w[base + 5], w[base + 2], opt(bias));
     return out;
   }
   if (kind == 0) {

@@ -1406,6 +1406,12 @@ void linear_small_vnni(torch::Tensor out, torch::Tensor x, torch::Tensor w8, tor
   TM_DISPATCH(x, "linear_small_vnni", [&] { linear_small_vnni_impl<scalar_t>(out, x, w8, wsum, sw, bias); });
 }
 
+// csrc/int8_gemm.cpp
+bool avx2_int8_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch::Tensor sw,
+                    c10::optional<torch::Tensor> bias);
+void avx2_int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor panels, torch::Tensor sw,
+                    c10::optional<torch::Tensor> bias);
+
 // The decoder stack in one call for a step whose tokens all attend like decodes (one new token per sequence, or
 // k speculative tokens each with its own context length), any number of them: every layer's RMSNorm, qkv,
 // optional qk-norm, rope, KV write, paged attention, o_proj, residual + RMSNorm, gate_up, silu*mul, down,
@@ -1420,7 +1426,8 @@ void linear_small_vnni(torch::Tensor out, torch::Tensor x, torch::Tensor w8, tor
 //   int8 per-channel scales, bias, oneDNN-packed float weight (> 8 rows), int8 weight transposed [K, N] for
 //   _int_mm (> 8 rows);
 // `kinds` per layer and linear: 0 float (linear_small), 1 int8 VNNI (linear_small_vnni), 2 int8 weights with
-// float activations (linear_small_int8); `caches` per layer: K cache, V cache, K scales, V scales (int8 KV).
+// float activations (linear_small_int8), 3 AVX2 exact int8 (avx2_int8_gemv <= 8 rows, else avx2_int8_gemm; slot 5
+// holds its int16 panels instead of the transposed weight); `caches` per layer: K cache, V cache, K scales, V scales (int8 KV).
 static constexpr int64_t LIN_SLOTS = 6;
 static constexpr int64_t LAYER_SLOTS = 4 + 4 * LIN_SLOTS;
 
@@ -1451,7 +1458,15 @@ static torch::Tensor any_linear(const torch::Tensor& x, const std::vector<torch:
     auto out = at::empty({T, n_out}, x.options());
     if (kind == 0) linear_small(out, x, w[base], opt(bias));
     else if (kind == 1) linear_small_vnni(out, x, w[base], w[base + 1], w[base + 2], opt(bias));
-    else linear_small_int8(out, x, w[base], w[base + 2], opt(bias));
+    else if (kind == 3) {
+      if (!avx2_int8_gemv(out, x, w[base], w[base + 2], opt(bias)))
+        avx2_int8_gemm(out, x, w[base + 5], w[base + 2], opt(bias));
+    } else linear_small_int8(out, x, w[base], w[base + 2], opt(bias));
+    return out;
+  }
+  if (kind == 3) {  // AVX2 exact int8 (csrc/int8_gemm.cpp), what Int8LinearMethod calls without an int8 GEMM
+    auto out = at::empty({T, n_out}, x.options());
+    avx2_int8_gemm(out, x, w[base + 5], w[base + 2], opt(bias));
     return out;
   }
   if (kind == 0) {
@@ -1595,6 +1610,7 @@ void register_decode_gemv(pybind11::module& m);  // csrc/decode_gemv.cpp
 void register_mixed_stack(pybind11::module& m);  // csrc/mixed_stack.cpp
 void register_decode_step(pybind11::module& m);  // csrc/decode_step.cpp
 void register_head_argmax(pybind11::module& m);  // csrc/head_argmax.cpp
+void register_int8_gemm(pybind11::module& m);  // csrc/int8_gemm.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32/bf16 q, any KV dtype)",
@@ -1631,4 +1647,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_mixed_stack(m);
   register_decode_step(m);
   register_head_argmax(m);
+  register_int8_gemm(m);
 }

@@ -1,0 +1,358 @@
+// Exact W8A8 int8 products on AVX2 without int8 dot-product instructions (no VNNI, no AMX): the path
+// Int8LinearMethod takes where oneDNN's int8 GEMM is not safe (linear.py: `int8_gemm` False; oneDNN's AVX2 int8
+// kernel sums pairs of u8*s8 products in saturating int16, vpmaddubsw, so its results are wrong, not just slow).
+//
+// The product is the one quantize_rows + an exact int32 GEMM + dequant_rows computes (csrc/paged_decode.cpp):
+// each x row quantized per token (s = max|x| / 127, q = x * (1/s) rounded to nearest even: quantize_rows'
+// instructions), sum_k q[m, k] W[n, k] in int32, then out = (float(acc) * s[m]) * sw[n] (+ b[n]) in fp32 with
+// dequant_rows' vector instructions, rounded to bf16 by the same integer round-to-nearest-even. The sums are exact
+// here: q and W are widened to int16 and multiplied by vpmaddwd (two s16*s16 products summed into s32: at most
+// 2 * 127 * 127, no saturation), accumulated in int32 (|sum| <= 127 * 127 * K < 2^31 for K < 133000). So the
+// results are the same bits as quantize_rows + (q.int() @ W.int().t()) + dequant_rows for any K
+// (tests/model/test_int8_avx2.py checks it).
+//
+// avx2_int8_gemm (any rows; Int8LinearMethod calls it for > 8): weights pre-packed once at load time
+// (avx2_int8_pack) as int16 panels of 16 output channels, k-pair interleaved ([N/16][K/2][16][2]: each 32-byte
+// load is one k pair of 8 channels, the operand layout of vpmaddwd), a 6 x 16 register-blocked micro-kernel
+// (12 int32 accumulators), at::parallel_for over (row chunk, panel) tasks, the activation quantize fused in front
+// and the dequantize epilogue (scales, bias) fused into the micro-kernel's stores.
+// avx2_int8_gemv (at most 8 rows, decode): streams the plain int8 weight [N, K] once (a quarter of fp32's bytes),
+// sign-extended to int16 on the fly (vpmovsxbw), against the int16-quantized x rows.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TM_INT8_AVX2 1
+#endif
+
+namespace {
+
+#ifdef TM_INT8_AVX2
+constexpr int64_t NR = 16;  // output channels per packed panel (two ymm of int32 accumulators)
+constexpr int MR = 6;       // activation rows per micro-kernel call
+constexpr int64_t MC = 96;  // rows per task (a multiple of MR): one task's int16 x rows stay in L2
+
+inline float to_f(float v) { return v; }
+inline float to_f(at::BFloat16 v) { return static_cast<float>(v); }
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {  // paged_decode.cpp's store8: round to nearest even
+  __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+
+// x row (K values) -> q (int16, Kp >= K entries, zero-padded) and its scale: quantize_rows_impl's arithmetic
+template <typename T>
+inline void quantize_row_i16(const T* xr, int64_t K, int64_t Kp, int16_t* q, float* s_out) {
+  float amax = 0.f;
+  int64_t k = 0;
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 mx = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load8(xr + k)));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, mx);
+  for (float v : lanes) amax = std::max(amax, v);
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(to_f(xr[k])));
+  const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
+  *s_out = s;
+  const __m256 iv = _mm256_set1_ps(inv);
+  k = 0;
+  for (; k + 8 <= K; k += 8) {  // |x * inv| <= 127 by construction
+    const __m256i i32 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xr + k), iv));  // round to nearest even
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k),
+                     _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1)));
+  }
+  for (; k < K; ++k) q[k] = (int16_t)std::nearbyint(std::min(127.f, std::max(-127.f, to_f(xr[k]) * inv)));
+  for (; k < Kp; ++k) q[k] = 0;
+}
+
+// out[n .. n+8) = (float(acc) * s) * sw[n ..] (+ b[n ..]): dequant_rows' vector instructions; `cnt` < 8 at the edge
+// (the empty asm keeps the compiler from contracting the multiply and the bias add into one FMA, whose single
+// rounding would differ from dequant_rows' two in the last bit)
+inline __m256 no_contract(__m256 v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
+template <typename T>
+inline void epilogue8(T* o, __m256i acc, float s, const float* sw, const T* b, int64_t cnt) {
+  if (cnt == 8) {
+    __m256 v = no_contract(_mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(s)), _mm256_loadu_ps(sw)));
+    if (b) v = _mm256_add_ps(v, load8(b));
+    store8(o, v);
+    return;
+  }
+  alignas(32) float swt[8] = {0};
+  alignas(32) T bt[8], ot[8];
+  for (int64_t i = 0; i < 8; ++i) bt[i] = T(0.f);
+  for (int64_t i = 0; i < cnt; ++i) {
+    swt[i] = sw[i];
+    if (b) bt[i] = b[i];
+  }
+  __m256 v = no_contract(_mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(s)), _mm256_load_ps(swt)));
+  if (b) v = _mm256_add_ps(v, load8(bt));
+  store8(ot, v);
+  for (int64_t i = 0; i < cnt; ++i) o[i] = ot[i];
+}
+
+inline __m256i bcast_pair(const int16_t* p) {  // q[k], q[k+1] as one int32, in all 8 lanes
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// rows m0 .. m0+R-1 against panel j (channels n0 .. n0+15), full K, epilogue fused
+template <int R, typename T>
+inline void micro(const int16_t* a, int64_t Kp, const int16_t* panel, const float* sx, const float* sw,
+                  const T* bias, T* out, int64_t N, int64_t n0) {
+  __m256i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  const int64_t KP2 = Kp / 2;
+  for (int64_t kk = 0; kk < KP2; ++kk) {
+    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + kk * 32));
+    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + kk * 32 + 16));
+    for (int r = 0; r < R; ++r) {
+      const __m256i av = bcast_pair(a + r * Kp + 2 * kk);
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(av, b0));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(av, b1));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = n0 + 8 * h;
+      if (n >= N) break;
+      epilogue8<T>(out + r * N + n, acc[r][h], sx[r], sw + n, bias ? bias + n : nullptr, std::min<int64_t>(8, N - n));
+    }
+  }
+}
+
+template <typename T>
+void rows_block(int R, const int16_t* a, int64_t Kp, const int16_t* panel, const float* sx, const float* sw,
+                const T* bias, T* out, int64_t N, int64_t n0) {
+  switch (R) {
+    case 1: return micro<1, T>(a, Kp, panel, sx, sw, bias, out, N, n0);
+    case 2: return micro<2, T>(a, Kp, panel, sx, sw, bias, out, N, n0);
+    case 3: return micro<3, T>(a, Kp, panel, sx, sw, bias, out, N, n0);
+    case 4: return micro<4, T>(a, Kp, panel, sx, sw, bias, out, N, n0);
+    case 5: return micro<5, T>(a, Kp, panel, sx, sw, bias, out, N, n0);
+    default: return micro<6, T>(a, Kp, panel, sx, sw, bias, out, N, n0);
+  }
+}
+
+template <typename T>
+void gemm(const T* xp, const int16_t* pk, const float* sw, const T* bp, T* op, int64_t M, int64_t K, int64_t N) {
+  const int64_t Kp = (K + 1) & ~int64_t(1), NP = (N + NR - 1) / NR, MB = (M + MC - 1) / MC;
+  std::vector<int16_t> q(M * Kp);
+  std::vector<float> sx(M);
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) quantize_row_i16<T>(xp + m * K, K, Kp, q.data() + m * Kp, sx.data() + m);
+  });
+  // tasks in (row chunk, panel) order: a thread's contiguous range shares its row chunks' int16 x rows
+  at::parallel_for(0, MB * NP, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t mb = t / NP, j = t % NP, m1 = std::min(M, (mb + 1) * MC);
+      const int16_t* panel = pk + j * Kp * NR;
+      for (int64_t m = mb * MC; m < m1; m += MR) {
+        const int R = (int)std::min<int64_t>(MR, m1 - m);
+        rows_block<T>(R, q.data() + m * Kp, Kp, panel, sx.data() + m, sw, bp, op + m * N, N, j * NR);
+      }
+    }
+  });
+}
+
+// ---- at most 8 rows: the plain int8 weight [N, K] streamed once ----
+inline int32_t hsum8i(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// sums[r][i] = sum_k q[r, k] W[n0 + i, k] for R rows and NB weight rows (K % 16 == 0)
+template <int R, int NB>
+inline void gemv_block(const int16_t* q, int64_t K, const int8_t* w, int32_t (*sums)[8], int64_t ld_sum_unused) {
+  (void)ld_sum_unused;
+  __m256i acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NB; ++i) acc[r][i] = _mm256_setzero_si256();
+  for (int64_t k = 0; k < K; k += 16) {
+    __m256i wv[NB];
+    for (int i = 0; i < NB; ++i)
+      wv[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i * K + k)));
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + k));
+      for (int i = 0; i < NB; ++i) acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(xv, wv[i]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NB; ++i) sums[r][i] = hsum8i(acc[r][i]);
+}
+
+// R rows (<= 4) x 8 weight rows n0 .. n0+7, as NB-row blocks
+template <int R>
+inline void gemv8(const int16_t* q, int64_t K, const int8_t* w, int32_t (*sums)[8]) {
+  if constexpr (R == 1) {
+    gemv_block<1, 8>(q, K, w, sums, 0);
+  } else if constexpr (R == 2) {
+    int32_t s[2][8];
+    for (int h = 0; h < 2; ++h) {
+      gemv_block<2, 4>(q, K, w + h * 4 * K, s, 0);
+      for (int r = 0; r < 2; ++r)
+        for (int i = 0; i < 4; ++i) sums[r][h * 4 + i] = s[r][i];
+    }
+  } else {
+    int32_t s[R][8];
+    for (int h = 0; h < 4; ++h) {
+      gemv_block<R, 2>(q, K, w + h * 2 * K, s, 0);
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 2; ++i) sums[r][h * 2 + i] = s[r][i];
+    }
+  }
+}
+
+inline void gemv8_rows(int R, const int16_t* q, int64_t K, const int8_t* w, int32_t (*sums)[8]) {
+  switch (R) {
+    case 1: return gemv8<1>(q, K, w, sums);
+    case 2: return gemv8<2>(q, K, w, sums);
+    case 3: return gemv8<3>(q, K, w, sums);
+    default: return gemv8<4>(q, K, w, sums);
+  }
+}
+
+template <typename T>
+void gemv(const T* xp, const int8_t* wp, const float* sw, const T* bp, T* op, int64_t M, int64_t K, int64_t N) {
+  alignas(32) int16_t q[8 * 8192];
+  float sx[8];
+  for (int64_t m = 0; m < M; ++m) quantize_row_i16<T>(xp + m * K, K, K, q + m * K, sx + m);
+  at::parallel_for(0, N / 8, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * 8;
+      if (b + 1 < b1)  // the next block's first lines, ahead of the prefetcher's ramp-up
+        for (int i = 0; i < 8; ++i) _mm_prefetch(reinterpret_cast<const char*>(wp + (n0 + 8 + i) * K), _MM_HINT_T0);
+      int32_t sums[8][8];
+      for (int64_t m = 0; m < M; m += 4) {
+        const int R = (int)std::min<int64_t>(4, M - m);
+        gemv8_rows(R, q + m * K, K, wp + n0 * K, sums + m);
+      }
+      for (int64_t m = 0; m < M; ++m)
+        epilogue8<T>(op + m * N + n0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums[m])), sx[m],
+                     sw + n0, bp ? bp + n0 : nullptr, 8);
+    }
+  });
+}
+#endif
+
+void check_common(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& sw,
+                  const c10::optional<torch::Tensor>& bias, int64_t N, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && out.dim() == 2 && sw.is_contiguous(),
+              what, ": x and out must be contiguous 2-d tensors");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, what, ": x must be fp32 or bf16");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), what, ": out must have x's dtype");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == N, what, ": out must be [M, N]");
+  TORCH_CHECK(sw.scalar_type() == at::kFloat && sw.numel() == N, what, ": weight scales must be fp32 [N]");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == x.scalar_type() && bias->is_contiguous() &&
+                                    bias->numel() == N), what, ": bias must be [N] in x's dtype");
+}
+
+}  // namespace
+
+// whether this build has the AVX2 int8 kernels
+bool has_avx2_int8() {
+#ifdef TM_INT8_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+// int8 W [N, K] -> int16 panels [ceil(N/16)][ceil(K/2)][16][2] (zero-padded), the layout avx2_int8_gemm reads
+torch::Tensor avx2_int8_pack(torch::Tensor w8) {
+  TORCH_CHECK(w8.dim() == 2 && w8.scalar_type() == at::kChar && w8.device().is_cpu(),
+              "avx2_int8_pack: w8 must be an int8 [N, K] CPU tensor");
+  auto w = w8.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), Kp = (K + 1) & ~int64_t(1), NP = (N + 15) / 16;
+  auto out = torch::zeros({NP, Kp / 2, 16, 2}, w.options().dtype(at::kShort));
+  const int8_t* wp = w.data_ptr<int8_t>();
+  int16_t* op = out.data_ptr<int16_t>();
+  at::parallel_for(0, NP, 1, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j)
+      for (int64_t i = 0; i < 16 && j * 16 + i < N; ++i) {
+        const int8_t* wr = wp + (j * 16 + i) * K;
+        int16_t* base = op + j * Kp * 16 + i * 2;
+        for (int64_t k = 0; k < K; ++k) base[(k / 2) * 32 + (k & 1)] = wr[k];
+      }
+  });
+  return out;
+}
+
+// out [M, N] = W8A8(x [M, K], W) as described above, W given as avx2_int8_pack's panels; any M >= 1
+void avx2_int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor panels, torch::Tensor sw,
+                    c10::optional<torch::Tensor> bias) {
+  const int64_t N = sw.numel();
+  check_common(out, x, sw, bias, N, "avx2_int8_gemm");
+  const int64_t M = x.size(0), K = x.size(1), Kp = (K + 1) & ~int64_t(1);
+  TORCH_CHECK(panels.scalar_type() == at::kShort && panels.is_contiguous() && panels.dim() == 4 &&
+              panels.size(0) == (N + 15) / 16 && panels.size(1) == Kp / 2 && panels.size(2) == 16 &&
+              panels.size(3) == 2, "avx2_int8_gemm: panels must be avx2_int8_pack's layout for [N, K]");
+  TORCH_CHECK(K < 133000, "avx2_int8_gemm: K too large for exact int32 sums");
+  if (M == 0) return;
+#ifdef TM_INT8_AVX2
+  const float* swp = sw.data_ptr<float>();
+  const int16_t* pk = panels.data_ptr<int16_t>();
+  if (x.scalar_type() == at::kFloat)
+    gemm<float>(x.data_ptr<float>(), pk, swp, bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), M, K, N);
+  else
+    gemm<at::BFloat16>(x.data_ptr<at::BFloat16>(), pk, swp, bias ? bias->data_ptr<at::BFloat16>() : nullptr,
+                       out.data_ptr<at::BFloat16>(), M, K, N);
+#else
+  TORCH_CHECK(false, "avx2_int8_gemm: this build has no AVX2");
+#endif
+}
+
+// The same W8A8 product for 1 <= M <= 8 rows from the plain int8 weight [N, K] (N % 8 == 0, K % 16 == 0,
+// K <= 8192); returns false (nothing written) where it does not apply
+bool avx2_int8_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch::Tensor sw,
+                    c10::optional<torch::Tensor> bias) {
+#ifdef TM_INT8_AVX2
+  const int64_t N = w8.size(0);
+  check_common(out, x, sw, bias, N, "avx2_int8_gemv");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w8.scalar_type() == at::kChar && w8.is_contiguous() && w8.dim() == 2 && w8.size(1) == K,
+              "avx2_int8_gemv: w8 must be a contiguous int8 [N, K]");
+  if (M < 1 || M > 8 || N % 8 != 0 || K % 16 != 0 || K > 8192) return false;
+  const float* swp = sw.data_ptr<float>();
+  const int8_t* wp = w8.data_ptr<int8_t>();
+  if (x.scalar_type() == at::kFloat)
+    gemv<float>(x.data_ptr<float>(), wp, swp, bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), M, K, N);
+  else
+    gemv<at::BFloat16>(x.data_ptr<at::BFloat16>(), wp, swp, bias ? bias->data_ptr<at::BFloat16>() : nullptr,
+                       out.data_ptr<at::BFloat16>(), M, K, N);
+  return true;
+#else
+  (void)out; (void)x; (void)w8; (void)sw; (void)bias;
+  return false;
+#endif
+}
+
+void register_int8_gemm(pybind11::module& m) {
+  m.def("has_avx2_int8", &has_avx2_int8, "whether the AVX2 exact int8 kernels are compiled in");
+  m.def("avx2_int8_pack", &avx2_int8_pack, "int8 W [N, K] -> the int16 k-pair panels avx2_int8_gemm reads");
+  m.def("avx2_int8_gemm", &avx2_int8_gemm, "exact W8A8 y = q(x) W^T * sx * sw (+ b), any rows (AVX2 vpmaddwd)",
+        py::arg("out"), py::arg("x"), py::arg("panels"), py::arg("sw"), py::arg("bias") = py::none());
+  m.def("avx2_int8_gemv", &avx2_int8_gemv, "exact W8A8 for <= 8 rows, int8 weight streamed once (AVX2; False "
+        "where it does not apply)", py::arg("out"), py::arg("x"), py::arg("w8"), py::arg("sw"),
+        py::arg("bias") = py::none());
+}
