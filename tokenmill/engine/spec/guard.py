@@ -29,6 +29,15 @@ the policy under the best measured cap.
                    noisy machine does not switch); a failed probe doubles the probe interval (up to
                    `max_probe_every`), a switch resets it: at a steady load the guard settles and probes
                    rarely (bounded exploration cost), a changed load is found again.
+    probe cost     what a probe measurably cost: the seconds of its steps and of the `settle` steps after it
+                   (back at the current arm: a draft catching up on what it skipped) less what the current
+                   arm's rate would have taken for the same tokens. The first step of a probe from off is a
+                   draft catch-up of *every* sequence (all the tokens since the last probe, a new request's
+                   whole prompt): not part of any arm's rate (`settle`), so without this account a big batch
+                   paid it unseen every <= 512 steps. After a failed probe the next one waits at least
+                   probe_cost / (explore_budget x the current arm's mean step) steps: probing takes at most
+                   ~explore_budget of the bucket's time at any batch size (a ladder or a confirming probe is
+                   not delayed; a probe that gained costs nothing).
 
 What a step costs under a cap is everything speculation adds to it: the decoder passes in every step with
 decoding sequences, including a new request's first draft catch-up (the draft's prefill of its context,
