@@ -252,3 +252,44 @@ def test_auto_counts_the_draft_catchup_of_new_requests(monkeypatch):
     frac = sum(s for s, _ in tail) / max(1, sum(n for _, n in tail))
     assert frac < 0.15, (frac, auto.spec.guard.rates(2))
     assert auto.spec.guard.current(2) == 0
+
+
+def _drive_with_transition(guard: GoodputGuard, n: int, steps: int, off: float, on: float, transition: float,
+                           seed: int = 0) -> float:
+    """Like _drive, but a step that turns speculation on after off steps also pays `transition` off-steps of
+    time (every sequence's draft catches up on the tokens it has not seen: the cost of a probe from off that
+    the probe's own measured steps do not show, since a change's first `settle` steps are not an arm's rate).
+    Returns the run's tokens/s over off's rate."""
+    rnd = random.Random(seed)
+    prev, t, tok = 0, 0.0, 0
+    for _ in range(steps):
+        c = guard.cap(n)
+        tokens = n * (1 + min(c, 3)) if c else n
+        s = tokens / ((off if c == 0 else on) * (1 + rnd.uniform(-0.05, 0.05)))
+        if c and not prev:
+            s += transition * n / off
+        prev = c
+        guard.observe(n, c, tokens, s)
+        t, tok = t + s, tok + tokens
+    return tok / t / off
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_probe_cost_is_amortised_under_load(seed):
+    # a big batch where speculation loses 10% and every probe from off pays a draft catch-up of all 16 sequences
+    # (50 off-steps here: a 0.6M draft's prefill of ~16 x 180 tokens beside a 16-row target decode). The guard
+    # stays off either way; what it loses is its probes. Probing every <= 512 steps cost ~10% (0.90x of off, the
+    # session-9 guard); with the measured probe cost spread at <= 2% of the bucket's time, >= 0.96x.
+    g = GoodputGuard(GuardConfig(k_max=6))
+    ratio = _drive_with_transition(g, 16, 6000, 1000.0, 900.0, 50.0, seed=seed)
+    assert g.current(16) == 0 and g.num_switches == 0
+    assert ratio >= 0.96, (ratio, g.buckets[16].num_probes)
+    assert g.probe_cost(16) is not None and g.probe_cost(16) > 0
+
+
+def test_probe_cost_does_not_delay_a_probe_that_wins():
+    # the same transition cost, but speculation wins by 30% on its steps: the cost of turning on is repaid,
+    # the guard switches on (a probe that gained has no cost to amortise)
+    g = GoodputGuard(GuardConfig(k_max=6))
+    ratio = _drive_with_transition(g, 16, 3000, 1000.0, 1300.0, 20.0)
+    assert g.current(16) == 1 and ratio >= 1.2, (ratio, g.rates(16))

@@ -29,6 +29,15 @@ the policy under the best measured cap.
                    noisy machine does not switch); a failed probe doubles the probe interval (up to
                    `max_probe_every`), a switch resets it: at a steady load the guard settles and probes
                    rarely (bounded exploration cost), a changed load is found again.
+    probe cost     what a probe measurably cost: the seconds of its steps and of the `settle` steps after it
+                   (back at the current arm: a draft catching up on what it skipped) less what the current
+                   arm's rate would have taken for the same tokens. The first step of a probe from off is a
+                   draft catch-up of *every* sequence (all the tokens since the last probe, a new request's
+                   whole prompt): not part of any arm's rate (`settle`), so without this account a big batch
+                   paid it unseen every <= 512 steps. After a failed probe the next one waits at least
+                   probe_cost / (explore_budget x the current arm's mean step) steps: probing takes at most
+                   ~explore_budget of the bucket's time at any batch size (a ladder or a confirming probe is
+                   not delayed; a probe that gained costs nothing).
 
 What a step costs under a cap is everything speculation adds to it: the decoder passes in every step with
 decoding sequences, including a new request's first draft catch-up (the draft's prefill of its context,
@@ -57,6 +66,11 @@ class GuardConfig:
     decay: float = 0.95  # EMA weight of an arm's history per new observation of that arm
     settle: int = 2  # steps after a change of k that are not recorded (a draft's catch-up, new row counts)
     outlier: float = 4.0  # a step longer than this many times the arm's mean step counts as that long
+    # probe cost amortisation: what a probe measurably cost (its steps and the `settle` steps after it, against
+    # the current arm's rate: a draft's catch-up of every sequence included) is spread over enough steps that
+    # probing takes at most this share of a bucket's time; at a large batch a probe costs in proportion
+    explore_budget: float = 0.02
+    max_amortised_every: int = 8192  # the longest interval the amortisation may ask for
 
     def __post_init__(self):
         if not 1 <= self.k_max <= 16:
@@ -65,6 +79,8 @@ class GuardConfig:
             raise ValueError("guard needs probe_every >= 1, max_probe_every >= probe_every, probe_len >= 1")
         if self.min_samples < 1 or self.margin < 0 or not 0 < self.decay < 1 or self.outlier <= 1:
             raise ValueError("guard needs min_samples >= 1, margin >= 0, decay in (0, 1), outlier > 1")
+        if not 0 < self.explore_budget < 1 or self.max_amortised_every < self.max_probe_every:
+            raise ValueError("guard needs explore_budget in (0, 1) and max_amortised_every >= max_probe_every")
 
 
 def bucket(n: int) -> int:
@@ -89,7 +105,7 @@ class _Arm:
 
 class _Bucket:
     __slots__ = ("cur", "arms", "steps", "next_probe", "interval", "probe_arm", "probe_left", "num_probes",
-                 "last_cap", "run", "seed", "base", "ladder", "pending")
+                 "last_cap", "run", "seed", "base", "ladder", "pending", "win", "win_tail", "probe_cost")
 
     def __init__(self, k_max: int, probe_every: int, first_probe: int):
         self.cur = k_max
@@ -106,6 +122,9 @@ class _Bucket:
         self.base = probe_every  # the probe interval after a switch
         self.ladder: tuple[int, ...] = ()  # the caps probed from off, in order, until each is measured
         self.pending: int | None = None  # an arm that won one comparison: switched to if it wins the next
+        self.win: list[float] | None = None  # the open probe window: [seconds, tokens] of every step it touched
+        self.win_tail = 0  # steps after the probe still counted to it (the transition back)
+        self.probe_cost: float | None = None  # EMA of a probe's measured cost, seconds (vs the current arm)
 
 
 class GoodputGuard:
@@ -147,6 +166,7 @@ class GoodputGuard:
             b.probe_left -= 1
             return b.probe_arm
         if b.probe_arm is not None:  # a probe just ended: compare
+            b.win_tail = self.cfg.settle  # the transition back is the probe's cost too
             self._decide(b)
             b.probe_arm = None
         if b.steps >= b.next_probe:
@@ -158,6 +178,9 @@ class GoodputGuard:
                 need = self.cfg.min_samples + self.cfg.settle - (a.samples if a is not None else 0)
                 length = max(self.cfg.probe_len, need)
                 b.probe_arm, b.probe_left = arm, length - 1
+                if b.win is None:
+                    b.win = [0.0, 0.0]
+                b.win_tail = 0
                 return arm
         return b.cur
 
@@ -205,13 +228,54 @@ class GoodputGuard:
         else:
             b.pending = None
             b.interval = min(cfg.max_probe_every, b.interval * 2)
-        b.next_probe = b.steps + b.interval
+        b.next_probe = b.steps + max(b.interval, self._amortised(b))
+
+    def _amortised(self, b: _Bucket) -> int:
+        """Steps between probes so that their measured cost is at most `explore_budget` of the bucket's time
+        (0 while not measured). A pure function of measured state: the probe's cost in seconds over the current
+        arm's mean step."""
+        cur = b.arms.get(b.cur)
+        if b.probe_cost is None or cur is None or cur.samples < 3 or b.probe_cost <= 0:
+            return 0
+        d = self.cfg.decay
+        step_s = cur.seconds * (1 - d) / (1 - d ** min(cur.samples, 200))
+        if not step_s > 0:
+            return 0
+        return min(self.cfg.max_amortised_every, int(b.probe_cost / (self.cfg.explore_budget * step_s)))
+
+    def _window(self, b: _Bucket, tokens: int, seconds: float) -> None:
+        """Account a step to the open probe window; closed after the probe's transition back: its cost is its
+        seconds less what the current arm would have taken for the same tokens (negative: the probe gained)."""
+        w = b.win
+        w[0] += seconds
+        w[1] += tokens
+        if b.probe_arm is None:  # the probe ended: these are the tail steps
+            if b.win_tail > 0:
+                b.win_tail -= 1
+            if b.win_tail <= 0:
+                b.win = None
+                cur = b.arms.get(b.cur)
+                r = cur.rate() if cur is not None else 0.0
+                if r > 0:
+                    cost = w[0] - w[1] / r
+                    b.probe_cost = cost if b.probe_cost is None else 0.5 * (b.probe_cost + cost)
+                    ladder_open = b.cur == 0 and any(
+                        b.arms.get(k) is None or b.arms[k].samples < self.cfg.min_samples for k in b.ladder)
+                    if b.pending is None and not ladder_open:  # a confirming probe or the ladder is not delayed
+                        b.next_probe = max(b.next_probe, b.steps + self._amortised(b))
+
+    def probe_cost(self, n: int) -> float | None:
+        """The measured cost of a probe in this bucket, seconds (None: not measured)."""
+        b = self.buckets.get(bucket(n))
+        return b.probe_cost if b is not None else None
 
     def observe(self, n: int, cap: int, tokens: int, seconds: float) -> None:
         """A decode-only step with n decoding sequences ran under `cap`, emitted `tokens` in `seconds`."""
         if n <= 0 or tokens <= 0 or not seconds > 0:
             return
         b = self._get(n)
+        if b.win is not None:
+            self._window(b, tokens, seconds)
         arm = b.arms.get(cap)
         if arm is None:
             arm = b.arms[cap] = _Arm()
