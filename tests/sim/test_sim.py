@@ -374,7 +374,7 @@ def test_skipping_the_step_budget_when_it_cannot_bind_changes_nothing(tmp_path, 
                                 fast_forward=ff, **kw))
             (a, la), (b, lb) = runs
             assert [r.to_json() for r in a.runs[0].records] == [r.to_json() for r in b.runs[0].records], wl
-            timing = ("wall_s", "events_per_s", "speedup_vs_real_time")
+            timing = ("wall_s", "cpu_s", "events_per_s", "speedup_vs_real_time")
             assert {k: v for k, v in la["levels"][0].items() if k not in timing} == \
                 {k: v for k, v in lb["levels"][0].items() if k not in timing}
     assert skipped[0] > 0
