@@ -1,5 +1,7 @@
 """The fused CPU ops against their PyTorch definitions (odd sizes exercise the scalar tails)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,3 +89,26 @@ def test_linear_small_rows(k):
         torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="shapes"):
         kernels.linear_small(torch.empty(9, 300), torch.randn(9, k), w, None)
+
+
+def test_kernel_builds_are_keyed_by_source_text_not_checkout_path(tmp_path):
+    """Two checkouts (git worktrees, a CI clone) with the same C++ sources share one build folder; any edit to a
+    source or header gives a new one, and the copies hold exactly the checkout's text."""
+    import shutil
+
+    from tokenmill.model import cpu_kernels
+
+    here = Path(cpu_kernels.__file__).parent / "csrc"
+    a, b = tmp_path / "a" / "csrc", tmp_path / "b" / "csrc"
+    shutil.copytree(here, a)
+    shutil.copytree(here, b)
+    out = tmp_path / "cache"
+    srcs_a = cpu_kernels._content_addressed_sources(a, out)
+    srcs_b = cpu_kernels._content_addressed_sources(b, out)
+    assert srcs_a == srcs_b and len({s.parent for s in srcs_a}) == 1
+    assert [s.read_bytes() for s in srcs_a] == [(here / s.name).read_bytes() for s in srcs_a]
+    header = b / cpu_kernels.HEADERS[0]
+    header.write_bytes(header.read_bytes() + b"\n// edited\n")
+    srcs_c = cpu_kernels._content_addressed_sources(b, out)
+    assert srcs_c[0].parent != srcs_a[0].parent
+    assert (srcs_c[0].parent / cpu_kernels.HEADERS[0]).read_bytes() == header.read_bytes()

@@ -4,7 +4,8 @@
 `rms_norm` (optionally adding the residual in place first), `silu_mul` and `rope_inplace` fuse the
 decoder layer's elementwise steps into one pass each. The pure-PyTorch paths in attention.py, layers.py
 and llama.py are the fallback (and the reference the tests compare against).
-Set TOKENMILL_CPU_KERNELS=0 to disable. Build output is cached under ~/.cache/torch_extensions.
+Set TOKENMILL_CPU_KERNELS=0 to disable. Build output is cached under ~/.cache/torch_extensions, one
+build per source text and ISA (shared by every checkout with the same sources).
 """
 
 from __future__ import annotations
@@ -51,6 +52,26 @@ def kernels_for(x) -> object | None:
     return get_kernels()
 
 
+def _content_addressed_sources(csrc: Path | None = None, root: Path | None = None) -> list[Path]:
+    """The C++ sources, copied into a folder named after a digest of their text alone, so every checkout with the
+    same sources (git worktrees, a fresh CI clone) shares one build: torch keys a build by its name *and* source
+    paths, and two checkouts building the same text from their own paths would rebuild (~1-30 min each)."""
+    csrc = csrc or Path(__file__).parent / "csrc"
+    names = SOURCES + HEADERS
+    texts = {f: (csrc / f).read_bytes() for f in names}
+    digest = hashlib.sha256(b"".join(f.encode() + b"\0" + texts[f] for f in names)).hexdigest()[:12]
+    root = root or Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    folder = root / "tokenmill_sources" / digest
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in names:
+        dst = folder / f
+        if not dst.exists() or dst.read_bytes() != texts[f]:
+            tmp = folder / f".{f}.{os.getpid()}.tmp"  # write then rename: a concurrent build never reads half a file
+            tmp.write_bytes(texts[f])
+            os.replace(tmp, dst)
+    return [folder / f for f in SOURCES]
+
+
 def get_kernels():
     """The compiled module, or None when unavailable (no compiler, disabled, build error)."""
     if "mod" in _state:
@@ -76,12 +97,8 @@ def get_kernels():
         log.info("loading the CPU attention kernel (compiled once per machine, ~1 minute the first time)")
 
         suffix, isa = _isa_flags()
-        srcs = [Path(__file__).parent / "csrc" / f for f in SOURCES]
-        # one build per (source text, source path, ISA): two checkouts or versions on one machine must not
-        # share a build directory, or each would rebuild the other's module on every start (~30 s each)
-        hashed = srcs + [Path(__file__).parent / "csrc" / f for f in HEADERS]
-        digest = hashlib.sha256(b"".join(s.read_bytes() + str(s.resolve()).encode() for s in hashed)).hexdigest()[:12]
-        name = f"tokenmill_cpu_kernels_{digest}{suffix}"
+        srcs = _content_addressed_sources()
+        name = f"tokenmill_cpu_kernels_{srcs[0].parent.name}{suffix}"
         _state["mod"] = load(name=name, sources=[str(s) for s in srcs], extra_cflags=["-O3", "-fopenmp", *isa],
                              extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build problem means: use the PyTorch path
