@@ -205,6 +205,15 @@ def test_table_rows_are_the_views_and_only_changed_workers_are_reread():
             assert data[k, 0] == 3.0 and v.pending_slack_s == 2.0
         else:
             assert data[k, 0] == getattr(v, name), name
+    # the view (snapshot.new_view, no dataclass __init__) is the dataclass's own, field for field
+    from dataclasses import fields
+
+    from tokenmill.router.snapshot import WorkerView, new_view
+    built = WorkerView(**{fd.name: getattr(v, fd.name) for fd in fields(WorkerView)})
+    assert v == built and hash(v) == hash(built) and repr(v) == repr(built) and v.routable
+    assert new_view("http://w9") == WorkerView("http://w9")
+    with pytest.raises(TypeError):
+        new_view("http://w9", no_such_field=1)
     assert table.rows[0] == tuple(data[:, 0].tolist())  # the Python floats are the array's
     assert all(type(x) is float for x in table.rows[0])
     w0.first_token(f, 0.5)
