@@ -174,6 +174,18 @@ def test_table_decides_as_the_full_snapshot(policy, mode):
         assert used["table"] > 0 and used["full"] == 0  # the table path was taken (else this checks nothing)
 
 
+@pytest.mark.parametrize("mode", ["leading", "off"])
+def test_table_numpy_path_decides_as_the_full_snapshot(mode, monkeypatch):
+    """The numpy forms (decisions over more than SMALL workers) on the same random sequences: with SMALL = 0
+    every decision takes them (the test above takes the Python-float rows for its 3-14 workers)."""
+    from tokenmill.router import table_decisions
+
+    monkeypatch.setattr(table_decisions, "SMALL", 0)
+    for seed in range(4):
+        used = _run(seed * 104729 + len(mode), "prefix-load", mode)
+        assert used["table"] > 0 and used["full"] == 0
+
+
 def test_table_rows_are_the_views_and_only_changed_workers_are_reread():
     pool = WorkerPool(RatePriors())
     table = WorkerTable(pool)
@@ -193,9 +205,21 @@ def test_table_rows_are_the_views_and_only_changed_workers_are_reread():
             assert data[k, 0] == 3.0 and v.pending_slack_s == 2.0
         else:
             assert data[k, 0] == getattr(v, name), name
+    # the view (snapshot.new_view, no dataclass __init__) is the dataclass's own, field for field
+    from dataclasses import fields
+
+    from tokenmill.router.snapshot import WorkerView, new_view
+    built = WorkerView(**{fd.name: getattr(v, fd.name) for fd in fields(WorkerView)})
+    assert v == built and hash(v) == hash(built) and repr(v) == repr(built) and v.routable
+    assert new_view("http://w9") == WorkerView("http://w9")
+    with pytest.raises(TypeError):
+        new_view("http://w9", no_such_field=1)
+    assert table.rows[0] == tuple(data[:, 0].tolist())  # the Python floats are the array's
+    assert all(type(x) is float for x in table.rows[0])
     w0.first_token(f, 0.5)
     pool.get("http://w1").healthy = False
     data = table.refresh()
+    assert [tuple(data[:, i].tolist()) for i in range(5)] == table.rows
     assert data[FIELDS.index("outstanding"), 0] == 1 and data[FIELDS.index("decode_streams"), 0] == 1
     assert data[FIELDS.index("deadline"), 0] == np.inf and data[FIELDS.index("routable"), 1] == 0
     pool.remove("http://w2")  # nothing outstanding: reaped, the pool's order changes
@@ -296,6 +320,41 @@ def test_chunk_hashes_of_text_are_the_chained_blake2b_of_each_chunk():
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 300)))
         chunk = rng.choice([1, 7, 64])
         assert chunk_hashes(text, chunk) == reference(text, chunk)
+        assert chunk_hashes(text, chunk) == reference(text, chunk)  # again: its links now remembered
+
+
+def test_chunk_hashes_remembered_links_are_the_hashes():
+    """chunk_hashes looks each link (parent hash, chunk) up before hashing it: prompts sharing a prefix, token
+    ids and text, a full table of links (cleared) -- every chain equals blake2b chained by hand."""
+    import hashlib
+    import struct
+
+    from tokenmill.router import prefix_index
+
+    def reference(chunks):
+        out, parent = [], b""
+        for c in chunks:
+            parent = hashlib.blake2b(parent + c, digest_size=12).digest()
+            out.append(parent)
+        return tuple(out)
+
+    rng = random.Random(5)
+    shared = [rng.randrange(-5, 50000) for _ in range(40)]
+    for max_links in (1 << 15, 7):
+        prefix_index._LINKS.clear()
+        prefix_index.MAX_LINKS = max_links
+        try:
+            for _ in range(100):
+                ids = shared[:rng.randint(0, 40)] + [rng.randrange(50000) for _ in range(rng.randint(0, 20))]
+                full = len(ids) - len(ids) % 4
+                want = reference([struct.pack("<4i", *ids[k:k + 4]) for k in range(0, full, 4)])
+                assert chunk_hashes(ids, 4) == want
+                text = "shared system prompt " * rng.randint(0, 5) + str(rng.random())
+                full = len(text) - len(text) % 8
+                assert chunk_hashes(text, 8) == reference([text[k:k + 8].encode() for k in range(0, full, 8)])
+            assert len(prefix_index._LINKS) <= max(max_links, 20)
+        finally:
+            prefix_index.MAX_LINKS = 1 << 15
 
 
 def test_a_large_idle_pool_reads_each_worker_once():

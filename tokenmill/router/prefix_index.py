@@ -43,29 +43,41 @@ class PrefixIndexConfig:
             raise ValueError(f"prefix index shrink must be in (0, 1), got {self.shrink}")
 
 
+_LINKS: dict[tuple[bytes, bytes], bytes] = {}  # (parent hash, chunk bytes) -> blake2b(parent || chunk), 12 bytes
+MAX_LINKS = 1 << 15  # ~4 MB; cleared when full
+
+
 def chunk_hashes(prompt, chunk: int) -> tuple[bytes, ...]:
     """Chained hashes of the full `chunk`-sized chunks of a prompt (text, or token ids: a list, tuple or
-    1-D numpy array of ints; each id hashed as 4 bytes little-endian)."""
-    hashes: list[bytes] = []
-    parent = b""
+    1-D numpy array of ints; each id hashed as 4 bytes little-endian).
+
+    Each link blake2b(h_{i-1} || chunk_i) is remembered by its exact input (`_LINKS`): prompts that share a
+    prefix (a system prompt) look its links up (~0.3 µs) instead of hashing them again (~1 µs). The same
+    bytes go in, the same hash comes out."""
     full = len(prompt) - len(prompt) % chunk
-    blake2b = hashlib.blake2b
     if isinstance(prompt, str):
         if prompt.isascii():  # one encode: a chunk of ASCII characters is the same slice of the bytes
             data = prompt.encode("ascii")
-            for start in range(0, full, chunk):
-                parent = blake2b(parent + data[start: start + chunk], digest_size=12).digest()
-                hashes.append(parent)
-            return tuple(hashes)
-        for start in range(0, full, chunk):
-            parent = blake2b(parent + prompt[start: start + chunk].encode("utf-8", "surrogatepass"),
-                             digest_size=12).digest()
-            hashes.append(parent)
-        return tuple(hashes)
+            return _chain([data[start: start + chunk] for start in range(0, full, chunk)])
+        return _chain([prompt[start: start + chunk].encode("utf-8", "surrogatepass")
+                       for start in range(0, full, chunk)])
     data, width = _ids_bytes(prompt[:full]), 4 * chunk  # each id as 4 bytes, little-endian, signed
-    for start in range(0, 4 * full, width):
-        parent = blake2b(parent + data[start: start + width], digest_size=12).digest()
-        hashes.append(parent)
+    return _chain([data[start: start + width] for start in range(0, 4 * full, width)])
+
+
+def _chain(chunks: list[bytes]) -> tuple[bytes, ...]:
+    """h_i = blake2b(h_{i-1} || chunks[i], 12 bytes), h_{-1} = b"" (each link looked up in _LINKS first)."""
+    hashes: list[bytes] = []
+    parent = b""
+    links, blake2b = _LINKS, hashlib.blake2b
+    if len(links) + len(chunks) > MAX_LINKS:
+        links.clear()
+    for c in chunks:
+        h = links.get((parent, c))
+        if h is None:
+            h = links[(parent, c)] = blake2b(parent + c, digest_size=12).digest()
+        hashes.append(h)
+        parent = h
     return tuple(hashes)
 
 

@@ -33,6 +33,10 @@ class ClassQueues:
     def any_waiting(self, sheddable: bool | None = None) -> bool:
         return any(self._q[c.name] for c in self.classes if sheddable is None or c.sheddable == sheddable)
 
+    def empty(self) -> bool:
+        """No request held in any class (cancelled ones not yet dropped count as held)."""
+        return not any(self._q.values())
+
     def drop_done(self) -> None:
         """Forget entries whose client went away (their future was cancelled)."""
         for name, q in self._q.items():

@@ -16,7 +16,6 @@ import os
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from tokenmill.router.admission import Admission, admit
 from tokenmill.router.classes import WorkloadClass, by_name
@@ -31,7 +30,7 @@ from tokenmill.router.snapshot import RouteRequest, RouteSnapshot, uncached_toke
 from tokenmill.router.table_decisions import TABLE_ADMISSION, TABLE_POLICIES, TableSnapshot
 from tokenmill.router.table_decisions import admit as admit_on_table
 from tokenmill.router.worker_state import InFlight, WorkerPool, WorkerSpec, WorkerState
-from tokenmill.router.worker_table import HEALTHY, ROUTABLE, WorkerTable
+from tokenmill.router.worker_table import HEALTHY, WorkerTable
 
 _ADMIT = admit  # admission.admit; a patched `admit` here (tests) is decided on the full snapshot
 REJECT_STATUS = {"no-worker": 503, "overloaded": 503}  # every other reason: 429
@@ -215,37 +214,30 @@ class Router:
         workers holding the prompt's first chunk, table_decisions' policy and admission."""
         self.decisions["table"] += 1
         now = self.clock()
-        data = self.table.refresh()
         table = self.table
-        n = len(table.urls)
-        cached = np.zeros(n)
+        rows = table.refresh_rows()
         chunks: dict[str, int] = {}
         hits: dict[int, int] = {}  # column -> estimated cached tokens, where > 0
         hashes = ctx.key.hashes
         if hashes:
-            healthy = data[HEALTHY]
             for url in self.index.holders(hashes[0]):
                 i = table.col.get(url)
-                if i is None or not healthy[i]:
+                if i is None or not rows[i][HEALTHY]:
                     continue
                 hit, chunks[url] = self.cached_prefix(ctx, table.workers[i], now)
                 if hit:
-                    cached[i] = hits[i] = hit
-        if n:
+                    hits[i] = hit
+        if rows:
             ctx.uncached_tokens = max(0, ctx.prompt_tokens - max(hits.values(), default=0))
         n_ahead, tokens_ahead = self.held_ahead(ctx)
         exclude = frozenset(ctx.tried)
         req = RouteRequest(ctx.request_id, now, ctx.arrival_s, ctx.prompt_tokens, ctx.cls.name, ctx.seq,
                            ctx.max_tokens, exclude, ctx.cls.ttft_slo_s - (now - ctx.arrival_s), n_ahead, tokens_ahead)
-        mask, routable = table.routable()
+        idx = table.routable_list()
         if exclude:
-            mask = mask.copy()
-            for url in exclude:
-                i = table.col.get(url)
-                if i is not None:
-                    mask[i] = False
-            routable = np.flatnonzero(mask)
-        ts = TableSnapshot(data, table.urls, table.col, table.url_rank, cached, routable, mask, req)
+            urls = table.urls
+            idx = [i for i in idx if urls[i] not in exclude]
+        ts = TableSnapshot(rows, table.urls, table.col, table.rank, hits, idx, req, table)
         choice = ctx.choice = TABLE_POLICIES[self.policy](ts, self.cfg.policy_params)
         if ctx.tried:
             adm = Admission("admit", choice.worker) if choice.worker else Admission("reject", reason="no-worker")
@@ -258,7 +250,7 @@ class Router:
         looked = set()
         if adm.worker is not None:
             looked.add(table.col[adm.worker])
-        live = [(hit, -i) for i, hit in hits.items() if mask[i]]
+        live = [(hit, -i) for i, hit in hits.items() if ts.allowed(i)]
         if live:
             looked.add(-max(live)[1])
         views = tuple(table.workers[i].view(hits.get(i, 0), now) for i in sorted(looked))
@@ -307,6 +299,8 @@ class Router:
         runs on every first token, finish and 20 ms tick, and each decision builds a snapshot: re-deciding a
         full queue of 64 each time would be ~64x the old head-only cost). Sheddable classes wait while any
         non-sheddable class has requests held."""
+        if self.queues.empty():  # (nothing held: nothing to do; pump runs on every first token and finish)
+            return
         self.queues.drop_done()
         for cls in self.queues.classes:
             q = self.queues[cls.name]

@@ -15,6 +15,7 @@ sequences. Pure: no clock, no I/O.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -25,19 +26,61 @@ from tokenmill.router.policies import NO_WORKER, PolicyParams, RouteChoice
 from tokenmill.router.snapshot import RouteRequest
 from tokenmill.router.worker_table import (BASE, CALIBRATION, DECODE_STREAMS, DEADLINE, ERROR_HI, ERROR_LO,
                                            EXTERNAL, MARGIN, OUTSTANDING, PASSING, PREFILL_REQUESTS,
-                                           PREFILL_TOKENS, RATE, RATE_SAMPLES, TPOT_BASE, TPOT_PER_STREAM)
+                                           PREFILL_TOKENS, RATE, RATE_SAMPLES, ROUTABLE, TPOT_BASE,
+                                           TPOT_PER_STREAM, WorkerTable)
 
 
 @dataclass(frozen=True)
 class TableSnapshot:
-    data: np.ndarray  # WorkerTable rows x workers (pool order), read-only
+    rows: list[tuple[float, ...]]  # WorkerTable.rows: each worker's column as Python floats (pool order), read-only
     urls: list[str]
     col: dict[str, int]  # url -> column
-    url_rank: np.ndarray  # each worker's place in URL order
-    cached: np.ndarray  # estimated cached prefix tokens of this request per worker (float64)
-    routable: np.ndarray  # index of the routable, not excluded workers, in pool order
-    mask: np.ndarray  # the same as a boolean per worker
+    rank: list[int]  # each worker's place in URL order (the last tie-break)
+    hits: dict[int, int]  # column -> estimated cached prefix tokens of this request, where > 0 (else 0)
+    idx: list[int]  # the routable, not excluded columns, in pool order
     request: RouteRequest
+    table: WorkerTable  # the float64 forms below, built only when a decision takes the numpy path
+
+    # The numpy forms of the same snapshot (decisions over more than SMALL workers, and the rare branches of
+    # admission). Built on first use, from the table as it is then: a snapshot is decided at once (the router
+    # makes no change to its workers in between).
+    @cached_property
+    def data(self) -> np.ndarray:  # WorkerTable rows x workers (pool order), read-only
+        return self.table.array()
+
+    @cached_property
+    def url_rank(self) -> np.ndarray:
+        return self.table.url_rank
+
+    @cached_property
+    def cached(self) -> np.ndarray:  # estimated cached prefix tokens of this request per worker (float64)
+        cached = np.zeros(len(self.urls))
+        for i, hit in self.hits.items():
+            cached[i] = hit
+        return cached
+
+    @cached_property
+    def mask(self) -> np.ndarray:  # routable and not excluded, a boolean per worker
+        mask = self.table.routable()[0]
+        if self.request.exclude:
+            mask = mask.copy()
+            for url in self.request.exclude:
+                i = self.col.get(url)
+                if i is not None:
+                    mask[i] = False
+        return mask
+
+    @cached_property
+    def routable(self) -> np.ndarray:  # `idx` as a numpy index
+        return np.flatnonzero(self.mask) if self.request.exclude else self.table.routable()[1]
+
+    def allowed(self, i: int) -> bool:
+        """Column i is routable and not excluded (`mask[i]`)."""
+        return self.rows[i][ROUTABLE] != 0 and self.urls[i] not in self.request.exclude
+
+    def unc(self, i: int) -> float:
+        """_uncached(ts)[i] as a Python float: max(0, prompt tokens - cached) (integers: exact)."""
+        return float(max(0, self.request.prompt_tokens - self.hits.get(i, 0)))
 
 
 SMALL = 64  # candidate sets up to this size are reduced in Python (numpy costs ~1 µs per call whatever the size)
@@ -116,10 +159,24 @@ def _predicted_ttft(d: np.ndarray, uncached: np.ndarray, cols=slice(None)) -> np
     return d[CALIBRATION, cols] * (wait + (base * 1 + uncached / rate))
 
 
+def _rows_ok(rows: list[tuple[float, ...]], idx: list[int]) -> bool:
+    """Whether Python floats decide over these columns as numpy does: a few of them (SMALL), and no zero
+    rate and no passing share of 1 (where numpy's division gives inf / nan, Python's raises)."""
+    if len(idx) > SMALL:
+        return False
+    for i in idx:
+        c = rows[i]
+        if c[RATE] == 0 or c[PASSING] == 1.0:
+            return False
+    return True
+
+
 def prefix_load(ts: TableSnapshot, p: PolicyParams) -> RouteChoice:
-    idx = ts.routable
-    if not len(idx):
+    if not ts.idx:
         return NO_WORKER
+    if _rows_ok(ts.rows, ts.idx):
+        return _prefix_load_rows(ts, p)
+    idx = ts.routable
     d, r = ts.data, ts.request
     queue = _queue_s(d, p)
     cost = (d[BASE] * 1 + ((1 + p.miss_weight) * _uncached(ts)) / d[RATE]) + queue
@@ -134,6 +191,30 @@ def prefix_load(ts: TableSnapshot, p: PolicyParams) -> RouteChoice:
     spread = _lexmin(allowed, cost, out, queue, ts.url_rank)
     col = slice(spread, spread + 1)
     if _predicted_ttft(d, _uncached(ts)[col], col)[0] <= r.ttft_budget_s:
+        return RouteChoice(ts.urls[spread], "load-guard")
+    return RouteChoice(ts.urls[best], "saturated")
+
+
+def _prefix_load_rows(ts: TableSnapshot, p: PolicyParams) -> RouteChoice:
+    """prefix_load over a few workers in Python floats: the same operations in the same order per worker
+    (_queue_s, the cost, the guard, _predicted_ttft), and _lexmin's least tuple."""
+    rows, rank, r = ts.rows, ts.rank, ts.request
+    lam, kappa = p.decode_stream_tokens, 1 + p.miss_weight
+    keys = []  # (cost, outstanding, queue, URL rank, column) per candidate: _lexmin's keys
+    for i in ts.idx:
+        c = rows[i]
+        base, rate = c[BASE], c[RATE]
+        queue = base * c[PREFILL_REQUESTS] + ((c[PREFILL_TOKENS] + c[EXTERNAL]) + lam * c[DECODE_STREAMS]) / rate
+        cost = (base * 1 + (kappa * ts.unc(i)) / rate) + queue
+        keys.append((cost, c[OUTSTANDING], queue, rank[i], i))
+    best_key = min(keys)
+    best = best_key[-1]
+    least = min([k[1] for k in keys])
+    ob = best_key[1]
+    if not (ob - least > p.guard_abs and ob > p.guard_rel * least):
+        return RouteChoice(ts.urls[best], "least-cost")
+    spread = min([k for k in keys if not (k[1] - least > p.guard_abs and k[1] > p.guard_rel * least)])[-1]
+    if _ttft_of(rows[spread], ts.unc(spread)) <= r.ttft_budget_s:
         return RouteChoice(ts.urls[spread], "load-guard")
     return RouteChoice(ts.urls[best], "saturated")
 
@@ -178,14 +259,16 @@ def _chosen_test(c: list[float], unc: float, cls: WorkloadClass, cfg: AdmissionC
 def admit(ts: TableSnapshot, choice: RouteChoice, cls: WorkloadClass, classes: tuple[WorkloadClass, ...],
           cfg: AdmissionConfig, queue_room: int, held: bool = False) -> Admission:
     """admission.admit (modes leading and off) on the table."""
-    r, idx, d = ts.request, ts.routable, ts.data
+    r = ts.request
     chosen = ts.col.get(choice.worker, -1) if choice.worker is not None else -1
-    if not len(idx) or chosen < 0 or not ts.mask[chosen]:
+    if not ts.idx or chosen < 0 or not ts.allowed(chosen):
         return Admission("reject", reason="no-worker", retry_after_s=1.0)
-    unc = _uncached(ts)
+    c = ts.rows[chosen]
     if cfg.mode == "off":
+        if c[RATE] != 0 and c[PASSING] != 1.0:  # (in Python floats: the same operations)
+            return Admission("admit", ts.urls[chosen], _ttft_of(c, ts.unc(chosen)))
         col = slice(chosen, chosen + 1)
-        return Admission("admit", ts.urls[chosen], float(_predicted_ttft(d, unc[col], col)[0]))
+        return Admission("admit", ts.urls[chosen], float(_predicted_ttft(ts.data, _uncached(ts)[col], col)[0]))
     if cfg.mode != "leading":
         raise ValueError(f"admission mode {cfg.mode!r} is not decided on the table")
     budget = cls.ttft_slo_s - (r.now - r.arrival_s)  # admission.ttft_budget_s
@@ -211,17 +294,24 @@ def admit(ts: TableSnapshot, choice: RouteChoice, cls: WorkloadClass, classes: t
     # the chosen worker alone first: when it meets the SLO and is polite it is admitted (below: `best =
     # chosen`), and no other worker's prediction is needed -- the same operations on one column, in Python
     # floats (IEEE double, as numpy's float64: the same results; numpy on a 1-element array costs ~1 µs per op)
-    pred_c, meets_c, polite_c = _chosen_test(d[:, chosen].tolist(), float(unc[chosen]), cls, cfg, budget,
-                                             idle_budget, r.now)
+    pred_c, meets_c, polite_c = _chosen_test(c, ts.unc(chosen), cls, cfg, budget, idle_budget, r.now)
     if meets_c and polite_c:
         return Admission("admit", ts.urls[chosen], pred_c)
     if meets_c and pred_c is not None:
         # polite needs idle or warm: when no candidate is either, none is polite, `nice` below is empty and the
         # chosen worker (meeting) is admitted -- known without the other workers' predictions
-        dr = d[:, idx]
-        if not (((dr[OUTSTANDING] == 0) & (dr[EXTERNAL] == 0)) | (dr[RATE_SAMPLES] >= cfg.warmup_samples)
-                | (dr[PREFILL_TOKENS] == 0)).any():
+        if len(ts.idx) <= SMALL:
+            rows, warmup = ts.rows, cfg.warmup_samples
+            some = any((w[OUTSTANDING] == 0 and w[EXTERNAL] == 0) or w[RATE_SAMPLES] >= warmup
+                       or w[PREFILL_TOKENS] == 0 for w in map(rows.__getitem__, ts.idx))
+        else:
+            dr = ts.data[:, ts.routable]
+            some = (((dr[OUTSTANDING] == 0) & (dr[EXTERNAL] == 0)) | (dr[RATE_SAMPLES] >= cfg.warmup_samples)
+                    | (dr[PREFILL_TOKENS] == 0)).any()
+        if not some:
             return Admission("admit", ts.urls[chosen], pred_c)
+    # the other workers' predictions: on the numpy forms
+    idx, d, unc = ts.routable, ts.data, _uncached(ts)
     pred, meets, polite = meets_polite(slice(None))
     meeting = idx[meets[idx]]
     if len(meeting):

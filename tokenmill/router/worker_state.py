@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from tokenmill.router.rates import Ewma, RatePriors, WorkerRates
-from tokenmill.router.snapshot import WorkerView
+from tokenmill.router.snapshot import WorkerView, new_view
 
 WORKER_KINDS = ("auto", "tokenmill", "vllm", "sglang", "openai")
 MIN_CALIBRATION, MAX_CALIBRATION = 0.5, 4.0
@@ -237,8 +237,8 @@ class WorkerState:
                 self._min_deadline = min([f.ttft_deadline_s for f in pending.values()])
             deadline = self._min_deadline
         slack = None if deadline is None or now is None or deadline == math.inf else deadline - now
-        return WorkerView(
-            url=self.url, healthy=self.healthy, outstanding=self.outstanding,
+        return new_view(
+            self.url, healthy=self.healthy, outstanding=self.outstanding,
             prefill_tokens=max(0, self.prefill_tokens), prefill_requests=len(pending), decode_streams=self.decode_streams,
             decode_tokens=max(0, self.decode_tokens), decode_rate_tps=r.decode.tps,
             cached_prefix_tokens=cached_prefix_tokens, ttft_base_s=prefill.overhead_s, prefill_rate_tps=prefill.rate_tps,
