@@ -24,6 +24,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.linalg import _umath_linalg
+
+_SOLVE1 = getattr(_umath_linalg, "solve1", None)  # the gufunc np.linalg.solve(a, b) calls for a 1-d b
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class StepBudget:
         self._a: list[list[float]] = (c.prior_weight * sum(np.outer(x, x) for x in xs)).tolist()
         self._b: list[float] = (c.prior_weight * sum(x * float(x @ prior) for x in xs)).tolist()
         self._coef = prior.copy()
+        self._coef_f: list[float] = self._coef.tolist()  # the same values as Python floats (token_budget's)
         self._stale = False  # observed since the last solve: `coef` solves on its next read
         self.samples = 0
 
@@ -77,11 +81,17 @@ class StepBudget:
         then the last solved value is kept -- per step that was the last state solved, here the last one read."""
         if self._stale:
             self._stale = False
-            try:
-                coef = np.linalg.solve(np.array(self._a), np.array(self._b))
-            except np.linalg.LinAlgError:
-                return self._coef
+            coef = _SOLVE1(self._a, self._b, signature="dd->d") if _SOLVE1 is not None else None
+            if coef is None or not np.isfinite(coef).all():
+                # np.linalg.solve: the same gufunc on the same float64 arrays (so the same bits), plus its
+                # argument checks and error state (~10 us a call), needed only to tell a singular system
+                # (LinAlgError; the gufunc alone gives nan and a RuntimeWarning) from a finite solution
+                try:
+                    coef = np.linalg.solve(np.array(self._a), np.array(self._b))
+                except np.linalg.LinAlgError:
+                    return self._coef
             self._coef = np.maximum(coef, [0.0, 0.0, 1e-7])  # a step never gets cheaper with more work
+            self._coef_f = self._coef.tolist()
         return self._coef
 
     def observe(self, decode_seqs: int, prefill_tokens: int, seconds: float) -> None:
@@ -128,7 +138,10 @@ class StepBudget:
         """Tokens (decodes included) the next step may batch."""
         if not self.cfg.enabled or tpot_slo_s is None:
             return max_tokens
-        base, per_decode, per_prefill = self.coef
+        if self._stale:
+            self.coef  # noqa: B018 - solves
+        # Python floats: the same IEEE double operations as on the array's float64 scalars, a few us cheaper
+        base, per_decode, per_prefill = self._coef_f
         room_s = self.cfg.headroom * tpot_slo_s - base - per_decode * decode_seqs
         prefill = int(room_s / per_prefill) if room_s > 0 else 0
         return min(max_tokens, decode_seqs + max(self.cfg.min_prefill_tokens, prefill))
