@@ -83,6 +83,22 @@ def test_roofline_matches_datasheet_arithmetic():
     assert rf2.step_s(StepShape(tokens=8192, prefill_tokens=8192, attn_pairs=8192 * 8193 / 2, logits=1)) < prefill
 
 
+def test_decode_run_blocks_needed_equals_the_per_step_sum():
+    """decode_run.blocks_needed (plan's shortcut: no step-by-step check when the whole run fits the free pool)
+    against the sum of plan's per-step decrements, on random runs and block sizes (a block starting at step 0,
+    at the run's last step, and steps past n)."""
+    from tokenmill.sim.decode_run import blocks_needed
+
+    rng = np.random.default_rng(11)
+    for _ in range(3000):
+        bs = int(rng.choice([1, 2, 3, 16, 512]))
+        by_residue: dict[int, int] = {}
+        for c in rng.integers(0, 5000, size=int(rng.integers(1, 12))):
+            by_residue[int(c) % bs] = by_residue.get(int(c) % bs, 0) + 1
+        n = int(rng.integers(0, 3 * bs + 40))
+        assert blocks_needed(by_residue, bs, n) == sum(by_residue.get(-i % bs, 0) for i in range(1, n))
+
+
 def test_decode_run_times_in_one_pass_equal_step_by_step():
     """CostModel.decode_run_s (numpy, the fast-forward's planner) against the scalar step_s of each step of the
     run (the base class's loop): equal bit for bit, roofline dense / MoE / TP and calibrated."""
