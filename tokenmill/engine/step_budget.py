@@ -112,15 +112,24 @@ class StepBudget:
         p00, p01, p02, p10, p11, p12, p20, p21, p22 = (x0 * x0, x0 * x1, x0 * x2, x1 * x0, x1 * x1, x1 * x2,
                                                        x2 * x0, x2 * x1, x2 * x2)
         n = 0
+        # the entries as locals through the loop (written back once): the same operations per entry and step
+        a00, a01, a02 = a0
+        a10, a11, a12 = a1
+        a20, a21, a22 = a2
+        b0, b1, b2 = b
         for s in seconds:
             if not (s > 0 and math.isfinite(s)):
                 continue
-            a0[0], a0[1], a0[2] = d * a0[0] + p00, d * a0[1] + p01, d * a0[2] + p02
-            a1[0], a1[1], a1[2] = d * a1[0] + p10, d * a1[1] + p11, d * a1[2] + p12
-            a2[0], a2[1], a2[2] = d * a2[0] + p20, d * a2[1] + p21, d * a2[2] + p22
-            b[0], b[1], b[2] = d * b[0] + x0 * s, d * b[1] + x1 * s, d * b[2] + x2 * s
+            a00, a01, a02 = d * a00 + p00, d * a01 + p01, d * a02 + p02
+            a10, a11, a12 = d * a10 + p10, d * a11 + p11, d * a12 + p12
+            a20, a21, a22 = d * a20 + p20, d * a21 + p21, d * a22 + p22
+            b0, b1, b2 = d * b0 + x0 * s, d * b1 + x1 * s, d * b2 + x2 * s
             n += 1
         if n:
+            a0[:] = a00, a01, a02
+            a1[:] = a10, a11, a12
+            a2[:] = a20, a21, a22
+            b[:] = b0, b1, b2
             self._stale = True
             self.samples += n
 
