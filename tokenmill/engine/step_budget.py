@@ -57,6 +57,23 @@ def step_composition(sched) -> tuple[int, int]:
     return decodes, sched.num_batched_tokens - decodes
 
 
+WELL_POSED = 1e-9  # |det a| / (product of its rows' 1-norms) above this: the direct gufunc call (coef)
+
+
+def _well_posed(a: list[list[float]]) -> bool:
+    """Whether the 3x3 system is far from singular: |det| over the product of the rows' 1-norms (Hadamard's
+    bound: <= 1) above WELL_POSED: far from singular, so LU meets no zero pivot and the gufunc np.linalg.solve calls
+    gives a finite solution without a warning; otherwise `coef` goes through np.linalg.solve itself (which
+    raises LinAlgError on a singular system). Only which of two calls of the same gufunc is used depends on
+    it, never the value."""
+    if _SOLVE1 is None:
+        return False
+    (a00, a01, a02), (a10, a11, a12), (a20, a21, a22) = a
+    det = a00 * (a11 * a22 - a12 * a21) - a01 * (a10 * a22 - a12 * a20) + a02 * (a10 * a21 - a11 * a20)
+    norms = (abs(a00) + abs(a01) + abs(a02)) * (abs(a10) + abs(a11) + abs(a12)) * (abs(a20) + abs(a21) + abs(a22))
+    return abs(det) > WELL_POSED * norms
+
+
 class StepBudget:
     def __init__(self, cfg: StepBudgetConfig | None = None):
         self.cfg = c = cfg or StepBudgetConfig()
@@ -81,10 +98,10 @@ class StepBudget:
         then the last solved value is kept -- per step that was the last state solved, here the last one read."""
         if self._stale:
             self._stale = False
-            coef = _SOLVE1(self._a, self._b, signature="dd->d") if _SOLVE1 is not None else None
+            coef = _SOLVE1(self._a, self._b, signature="dd->d") if _well_posed(self._a) else None
             if coef is None or not np.isfinite(coef).all():
                 # np.linalg.solve: the same gufunc on the same float64 arrays (so the same bits), plus its
-                # argument checks and error state (~10 us a call), needed only to tell a singular system
+                # argument checks and error state (~6 us a call), needed only to tell a singular system
                 # (LinAlgError; the gufunc alone gives nan and a RuntimeWarning) from a finite solution
                 try:
                     coef = np.linalg.solve(np.array(self._a), np.array(self._b))
