@@ -81,3 +81,36 @@ def test_coef_solved_when_read_equals_solving_after_every_step():
             assert sb.token_budget(d, slo, 2048) == min(2048, d + max(cfg.min_prefill_tokens, int(
                 r / ref.coef[2]) if (r := cfg.headroom * slo - ref.coef[0] - ref.coef[1] * d) > 0 else 0))
     assert sb.coef.tolist() == ref.coef.tolist()
+
+
+def test_singular_fit_keeps_the_last_solved_coefficients():
+    """The prior decayed to underflow and one step shape since: a · coef = b is exactly singular. np.linalg.solve
+    raises there; `coef` (whose fast path calls the solve's gufunc directly, which gives nan and a warning
+    instead) keeps the last solved value, as before, without a warning, and token_budget reads it."""
+    import warnings
+
+    cfg = StepBudgetConfig(decay=1e-200)
+    sb = StepBudget(cfg)
+    sb.observe(4, 0, 0.01)
+    sb.observe(4, 0, 0.01)  # the prior (and the first step) decayed to 0: a = x x^T, rank 1
+    with pytest.raises(np.linalg.LinAlgError):
+        np.linalg.solve(np.array(sb._a), np.array(sb._b))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the singular system never reaches the bare gufunc (_well_posed)
+        before = sb.coef.tolist()
+        assert before == [cfg.prior_base_s, cfg.prior_decode_s, cfg.prior_prefill_s]  # never solved: the prior
+        sb.observe(4, 0, 0.01)
+        assert sb.coef.tolist() == before
+        assert sb.token_budget(4, 0.1, 4096) == min(4096, 4 + max(cfg.min_prefill_tokens, int(
+            (cfg.headroom * 0.1 - before[0] - before[1] * 4) / before[2])))
+
+
+def test_well_posed_guard():
+    """_well_posed: a regular fit's normal equations take the direct gufunc call; singular and nearly singular
+    ones do not (a mutation returning True always fails the singular-fit test above with a RuntimeWarning)."""
+    from tokenmill.engine.step_budget import _well_posed
+
+    sb = StepBudget()
+    assert _well_posed(sb._a)
+    assert not _well_posed([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [1.0, 1.0, 1.0]])
+    assert not _well_posed([[1.0, 1.0, 0.0], [1.0, 1.0 + 1e-12, 0.0], [0.0, 0.0, 1.0]])

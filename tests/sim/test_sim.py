@@ -83,6 +83,22 @@ def test_roofline_matches_datasheet_arithmetic():
     assert rf2.step_s(StepShape(tokens=8192, prefill_tokens=8192, attn_pairs=8192 * 8193 / 2, logits=1)) < prefill
 
 
+def test_decode_run_blocks_needed_equals_the_per_step_sum():
+    """decode_run.blocks_needed (plan's shortcut: no step-by-step check when the whole run fits the free pool)
+    against the sum of plan's per-step decrements, on random runs and block sizes (a block starting at step 0,
+    at the run's last step, and steps past n)."""
+    from tokenmill.sim.decode_run import blocks_needed
+
+    rng = np.random.default_rng(11)
+    for _ in range(3000):
+        bs = int(rng.choice([1, 2, 3, 16, 512]))
+        by_residue: dict[int, int] = {}
+        for c in rng.integers(0, 5000, size=int(rng.integers(1, 12))):
+            by_residue[int(c) % bs] = by_residue.get(int(c) % bs, 0) + 1
+        n = int(rng.integers(0, 3 * bs + 40))
+        assert blocks_needed(by_residue, bs, n) == sum(by_residue.get(-i % bs, 0) for i in range(1, n))
+
+
 def test_decode_run_times_in_one_pass_equal_step_by_step():
     """CostModel.decode_run_s (numpy, the fast-forward's planner) against the scalar step_s of each step of the
     run (the base class's loop): equal bit for bit, roofline dense / MoE / TP and calibrated."""
@@ -468,3 +484,39 @@ def test_router_chunk_hashes_of_a_numpy_prompt_equal_the_list_ones():
     ids = np.random.default_rng(0).integers(0, 150_000, 1000)
     for chunk in (1, 16, 512):
         assert chunk_hashes(ids, chunk) == chunk_hashes(ids.tolist(), chunk) == chunk_hashes(tuple(ids.tolist()), chunk)
+
+
+def test_discarding_the_router_metrics_changes_nothing(tmp_path, monkeypatch):
+    """The simulated router records no Prometheus metrics (cluster.DiscardedMetrics): with the real
+    RouterMetrics recording every record and level statistic is identical, on an overloaded run with leading
+    admission (holds, rejections, the queue-wait and rejection metrics) and the fast-forward cases; the real
+    metrics did record the routed requests."""
+    from tokenmill.sim import cluster
+
+    hw = profile(tmp_path, [0.002, 2e-5, 1e-4, 1e-8, 1e-7, 1e-4])
+    routers = []
+    real_init = cluster.SimRouter.__init__
+
+    def recording(self, cfg, loop, metrics=False):
+        real_init(self, cfg, loop, True)
+        routers.append(self)
+
+    cases = FF_CASES + [("chat", LoadConfig("rate", rate=200, num_requests=200), 2, "prefix-load", "leading",
+                         {"slos": ("ttft=50",)})]
+    rejected = 0
+    for wl, load, workers, policy, admission, kw in cases:
+        runs = []
+        for patch in (None, recording):
+            if patch is not None:
+                monkeypatch.setattr(cluster.SimRouter, "__init__", patch)
+            runs.append(sim(tmp_path, hw, wl, load, workers=workers, policy=policy, admission=admission, **kw))
+            monkeypatch.undo()
+        (a, la), (b, lb) = runs
+        assert [r.to_json() for r in a.runs[0].records] == [r.to_json() for r in b.runs[0].records], wl
+        timing = ("wall_s", "cpu_s", "events_per_s", "speedup_vs_real_time")
+        assert {k: v for k, v in la["levels"][0].items() if k not in timing} == \
+            {k: v for k, v in lb["levels"][0].items() if k not in timing}
+        rejected += sum(r.status == "rejected" for r in a.runs[0].records)
+        text = routers[-1].metrics.render().decode()
+        assert "tokenmill_router_routed_requests_total{" in text
+    assert rejected > 0  # the overloaded case refused some (admission's metric paths ran)

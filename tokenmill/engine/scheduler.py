@@ -164,14 +164,19 @@ class Scheduler:
         draft tokens after a decoding request's token (speculative decoding; cut to the budget left over
         after one token per decoding request, and dropped rather than preempting anyone for it)."""
         out = SchedulerOutput()
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        decoding, prefilling = [], []  # one pass (the late demotion below changes no running request)
+        for r in self.running:
+            left = r.num_tokens - r.num_computed_tokens
+            if left == 1:
+                decoding.append(r)
+            elif left > 1:
+                prefilling.append(r)
         budget = self.config.max_num_batched_tokens
         if token_budget is not None:
             budget = max(min(budget, token_budget), min(budget, len(decoding) + 1))
         total = budget
         self._demote_late(now)
         scheduled: set[str] = set()
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         decoding.sort(key=lambda r: r.sort_key)
         prefilling.sort(key=lambda r: r.sort_key)
         spare = budget - len(decoding)  # tokens for drafts once every decoding request has its own

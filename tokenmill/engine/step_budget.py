@@ -24,6 +24,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.linalg import _umath_linalg
+
+_SOLVE1 = getattr(_umath_linalg, "solve1", None)  # the gufunc np.linalg.solve(a, b) calls for a 1-d b
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,23 @@ def step_composition(sched) -> tuple[int, int]:
     return decodes, sched.num_batched_tokens - decodes
 
 
+WELL_POSED = 1e-9  # |det a| / (product of its rows' 1-norms) above this: the direct gufunc call (coef)
+
+
+def _well_posed(a: list[list[float]]) -> bool:
+    """Whether the 3x3 system is far from singular: |det| over the product of the rows' 1-norms (Hadamard's
+    bound: <= 1) above WELL_POSED: far from singular, so LU meets no zero pivot and the gufunc np.linalg.solve calls
+    gives a finite solution without a warning; otherwise `coef` goes through np.linalg.solve itself (which
+    raises LinAlgError on a singular system). Only which of two calls of the same gufunc is used depends on
+    it, never the value."""
+    if _SOLVE1 is None:
+        return False
+    (a00, a01, a02), (a10, a11, a12), (a20, a21, a22) = a
+    det = a00 * (a11 * a22 - a12 * a21) - a01 * (a10 * a22 - a12 * a20) + a02 * (a10 * a21 - a11 * a20)
+    norms = (abs(a00) + abs(a01) + abs(a02)) * (abs(a10) + abs(a11) + abs(a12)) * (abs(a20) + abs(a21) + abs(a22))
+    return abs(det) > WELL_POSED * norms
+
+
 class StepBudget:
     def __init__(self, cfg: StepBudgetConfig | None = None):
         self.cfg = c = cfg or StepBudgetConfig()
@@ -64,6 +84,7 @@ class StepBudget:
         self._a: list[list[float]] = (c.prior_weight * sum(np.outer(x, x) for x in xs)).tolist()
         self._b: list[float] = (c.prior_weight * sum(x * float(x @ prior) for x in xs)).tolist()
         self._coef = prior.copy()
+        self._coef_f: list[float] = self._coef.tolist()  # the same values as Python floats (token_budget's)
         self._stale = False  # observed since the last solve: `coef` solves on its next read
         self.samples = 0
 
@@ -77,11 +98,17 @@ class StepBudget:
         then the last solved value is kept -- per step that was the last state solved, here the last one read."""
         if self._stale:
             self._stale = False
-            try:
-                coef = np.linalg.solve(np.array(self._a), np.array(self._b))
-            except np.linalg.LinAlgError:
-                return self._coef
+            coef = _SOLVE1(self._a, self._b, signature="dd->d") if _well_posed(self._a) else None
+            if coef is None or not np.isfinite(coef).all():
+                # np.linalg.solve: the same gufunc on the same float64 arrays (so the same bits), plus its
+                # argument checks and error state (~6 us a call), needed only to tell a singular system
+                # (LinAlgError; the gufunc alone gives nan and a RuntimeWarning) from a finite solution
+                try:
+                    coef = np.linalg.solve(np.array(self._a), np.array(self._b))
+                except np.linalg.LinAlgError:
+                    return self._coef
             self._coef = np.maximum(coef, [0.0, 0.0, 1e-7])  # a step never gets cheaper with more work
+            self._coef_f = self._coef.tolist()
         return self._coef
 
     def observe(self, decode_seqs: int, prefill_tokens: int, seconds: float) -> None:
@@ -102,15 +129,24 @@ class StepBudget:
         p00, p01, p02, p10, p11, p12, p20, p21, p22 = (x0 * x0, x0 * x1, x0 * x2, x1 * x0, x1 * x1, x1 * x2,
                                                        x2 * x0, x2 * x1, x2 * x2)
         n = 0
+        # the entries as locals through the loop (written back once): the same operations per entry and step
+        a00, a01, a02 = a0
+        a10, a11, a12 = a1
+        a20, a21, a22 = a2
+        b0, b1, b2 = b
         for s in seconds:
             if not (s > 0 and math.isfinite(s)):
                 continue
-            a0[0], a0[1], a0[2] = d * a0[0] + p00, d * a0[1] + p01, d * a0[2] + p02
-            a1[0], a1[1], a1[2] = d * a1[0] + p10, d * a1[1] + p11, d * a1[2] + p12
-            a2[0], a2[1], a2[2] = d * a2[0] + p20, d * a2[1] + p21, d * a2[2] + p22
-            b[0], b[1], b[2] = d * b[0] + x0 * s, d * b[1] + x1 * s, d * b[2] + x2 * s
+            a00, a01, a02 = d * a00 + p00, d * a01 + p01, d * a02 + p02
+            a10, a11, a12 = d * a10 + p10, d * a11 + p11, d * a12 + p12
+            a20, a21, a22 = d * a20 + p20, d * a21 + p21, d * a22 + p22
+            b0, b1, b2 = d * b0 + x0 * s, d * b1 + x1 * s, d * b2 + x2 * s
             n += 1
         if n:
+            a0[:] = a00, a01, a02
+            a1[:] = a10, a11, a12
+            a2[:] = a20, a21, a22
+            b[:] = b0, b1, b2
             self._stale = True
             self.samples += n
 
@@ -128,7 +164,10 @@ class StepBudget:
         """Tokens (decodes included) the next step may batch."""
         if not self.cfg.enabled or tpot_slo_s is None:
             return max_tokens
-        base, per_decode, per_prefill = self.coef
+        if self._stale:
+            self.coef  # noqa: B018 - solves
+        # Python floats: the same IEEE double operations as on the array's float64 scalars, a few us cheaper
+        base, per_decode, per_prefill = self._coef_f
         room_s = self.cfg.headroom * tpot_slo_s - base - per_decode * decode_seqs
         prefill = int(room_s / per_prefill) if room_s > 0 else 0
         return min(max_tokens, decode_seqs + max(self.cfg.min_prefill_tokens, prefill))

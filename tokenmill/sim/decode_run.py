@@ -83,17 +83,31 @@ def plan(sched, scheduler, kv, shape: StepShape, step0_s: float, now: float, cos
     for c in computed0:
         by_residue[c % bs] = by_residue.get(c % bs, 0) + 1
     free, limited = kv.pool.num_free, False
-    for i in range(1, n):  # step i allocates a block for each request whose position c0 + i starts one
-        free -= by_residue.get(-i % bs, 0)
-        if free < 0:
-            n, limited = i, True  # step i would have to preempt: the real scheduler takes it
-            break
+    if blocks_needed(by_residue, bs, n) > free:  # else no step of the run can run out (free only decreases)
+        for i in range(1, n):  # step i allocates a block for each request whose position c0 + i starts one
+            free -= by_residue.get(-i % bs, 0)
+            if free < 0:
+                n, limited = i, True  # step i would have to preempt: the real scheduler takes it
+                break
     if n < 2:
         return None
     rest = cost.decode_run_s(shape, n)  # = cost.step_s per step i (one more context token per decode each)
     step_s = [step0_s] + rest
     ends = list(accumulate(rest, initial=now + step0_s))  # end(i) = end(i-1) + step_s(i), as step by step
     return DecodeRun(reqs, computed0, shape, step_s, ends, block_limited=limited)
+
+
+def blocks_needed(by_residue: dict[int, int], bs: int, n: int) -> int:
+    """New blocks steps 1 .. n-1 of a run allocate: a request at position c0 starts a block at step i when
+    (c0 + i) % bs == 0, i.e. i % bs == -c0 % bs; `by_residue`: requests per c0 % bs. The sum, over the steps,
+    of plan's per-step decrements (tests/sim: equal on random runs)."""
+    total = 0
+    for r, k in by_residue.items():
+        t = -r % bs  # the first such step is t (t = 0: bs), then every bs steps
+        first = t or bs
+        if first <= n - 1:
+            total += k * ((n - 1 - first) // bs + 1)
+    return total
 
 
 def materialize(run: DecodeRun, target: int, kv, output_token: int) -> list[float]:
