@@ -18,11 +18,14 @@ the policy under the best measured cap.
                    probe is the best cap measured so far. The first probe comes after `min_samples` steps, and
                    a probe of an arm with fewer than `min_samples` samples runs until it has them, so a
                    bucket has its first comparison within ~2·min_samples steps
-    ladder         from off, a bucket of <= 4 sequences probes the caps (suggestion, 2, 4, k_max) in turn until
-                   each is measured, then the best measured one (a draft model may lose at k = 1 and win at
-                   k = 4); no switch before every rung is measured (one that beats off a little must not win
-                   before a better one was tried); bigger buckets probe k = 1 only (if one draft does not pay
-                   there, more do not)
+    ladder         from off, a bucket probes the caps (first, 2, 4, k_max) in turn until each is measured,
+                   then the best measured one (a draft model may lose at k = 1 and win at k = 4, at batch 1
+                   and at 16 sequences alike); no switch before every rung is measured (one that beats off a
+                   little must not win before a better one was tried). The first rung is the cost model's
+                   suggestion in a bucket of <= 4 sequences, k = 1 (the cheapest probe) in bigger ones; the
+                   next rung follows at once unless the rungs' measured cost asks a longer wait than the
+                   ladder's own length (a big batch, where each probe from off is a draft catch-up of every
+                   sequence): then it waits that (the probe-cost amortisation below)
     switch         to the arm whose measured rate beats the current one's by `margin` (relative), each having
                    at least `min_samples` steps, in two comparisons in a row (after the first win the current
                    arm runs for a probe's length, then the challenger is probed again: one lucky window of a
@@ -36,8 +39,8 @@ the policy under the best measured cap.
                    whole prompt): not part of any arm's rate (`settle`), so without this account a big batch
                    paid it unseen every <= 512 steps. After a failed probe the next one waits at least
                    probe_cost / (explore_budget x the current arm's mean step) steps: probing takes at most
-                   ~explore_budget of the bucket's time at any batch size (a ladder or a confirming probe is
-                   not delayed; a probe that gained costs nothing).
+                   ~explore_budget of the bucket's time at any batch size (a confirming probe is not delayed,
+                   a ladder's rung only as said above; a probe that gained costs nothing).
 
 What a step costs under a cap is everything speculation adds to it: the decoder passes in every step with
 decoding sequences, including a new request's first draft catch-up (the draft's prefill of its context,
@@ -151,13 +154,15 @@ class GoodputGuard:
             b.cur = 0
             bk = bucket(n)
             # a probe wakes every sequence's draft (a catch-up) and verifies k more rows per sequence: at a
-            # large batch it costs in proportion, so big buckets probe with k = 1 (if one draft does not pay
-            # there, more do not either) and less often
+            # large batch it costs in proportion, so big buckets start their ladder at k = 1 (the cheapest
+            # probe) and probe less often; a rung that lost delays the next by its measured cost (_amortised)
             b.seed = 1 if bk > 4 else max(1, min(self.cfg.k_max, suggest or self.cfg.k_max))
-            # small buckets: from off, probe a ladder of caps, not only the suggestion and its neighbours (a
-            # draft model can lose at k = 1 and win at k = 4: its forward has a fixed cost; measured, batch 1)
-            b.ladder = (b.seed,) if bk > 4 else tuple(dict.fromkeys(
-                [b.seed] + [k for k in (2, 4, self.cfg.k_max) if k <= self.cfg.k_max]))
+            # from off, probe a ladder of caps, not only the suggestion and its neighbours: a draft model can
+            # lose at k = 1 and win at k = 4 (its forward has a fixed cost per draft step): measured at batch 1
+            # (session 9) and at 16 sequences (session 11, AVX2: k = 1 0.79x of off's rate on its steps, k = 4
+            # level with off; session 9, AVX-512: fixed k = 4 1.10x of off at 16 sessions), so "if one draft
+            # does not pay, longer ones do not" is false at every batch size
+            b.ladder = tuple(dict.fromkeys([b.seed] + [k for k in (2, 4, self.cfg.k_max) if k <= self.cfg.k_max]))
             b.base = b.interval = min(self.cfg.max_probe_every, self.cfg.probe_every * max(1, bk // 4))
             b.next_probe = max(b.next_probe, b.interval)
         b = self._get(n)
@@ -210,7 +215,9 @@ class GoodputGuard:
             return
         if b.cur == 0 and any(b.arms.get(k) is None or b.arms[k].samples < cfg.min_samples for k in b.ladder):
             # from off, the whole ladder is measured before any switch: a rung that beats off a little must not
-            # win before a better one was tried (batch 1, draft: k = 1 won, k = 4 was never probed again)
+            # win before a better one was tried (batch 1, draft: k = 1 won, k = 4 was never probed again). The
+            # next rung follows at once, unless the rungs so far measurably cost (a big batch: a draft catch-up
+            # of every sequence per probe): then it waits their amortised interval (_window sets it)
             b.next_probe = b.steps + cfg.probe_len + cfg.settle
             return
         best, best_rate = b.cur, cur.rate() * (1 + cfg.margin)
@@ -261,8 +268,19 @@ class GoodputGuard:
                     b.probe_cost = cost if b.probe_cost is None else 0.5 * (b.probe_cost + cost)
                     ladder_open = b.cur == 0 and any(
                         b.arms.get(k) is None or b.arms[k].samples < self.cfg.min_samples for k in b.ladder)
-                    if b.pending is None and not ladder_open:  # a confirming probe or the ladder is not delayed
-                        b.next_probe = max(b.next_probe, b.steps + self._amortised(b))
+                    # a confirming probe is not delayed; a ladder's next rung neither while the rungs' cost is under
+                    # a probe's own length (a small batch: the undelayed ladder turns it on within ~200 steps) or a
+                    # rung measured so far beats the current arm (a switch follows: the catch-ups are repaid)
+                    wait = self._amortised(b)
+                    if b.pending is None and (not ladder_open or (
+                            wait > self.cfg.probe_len * len(b.ladder) and not self._rung_wins(b, r))):
+                        b.next_probe = max(b.next_probe, b.steps + wait)
+
+    def _rung_wins(self, b: _Bucket, cur_rate: float) -> bool:
+        """A measured rung of the ladder beats the current arm's rate by the margin."""
+        bar = cur_rate * (1 + self.cfg.margin)
+        return any(a.samples >= self.cfg.min_samples and a.rate() > bar
+                   for k in b.ladder if (a := b.arms.get(k)) is not None)
 
     def probe_cost(self, n: int) -> float | None:
         """The measured cost of a probe in this bucket, seconds (None: not measured)."""
