@@ -34,8 +34,8 @@ sys.path.insert(0, str(REPO))
 from tokenmill.hardware import capabilities  # noqa: E402
 
 
-def start_server(spec: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "tokenmill", "serve", "--model", "demo", "--port", "0", "--admission", "off"]
+def start_server(spec: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "tokenmill", "serve", "--model", "demo", "--port", "0", "--admission", "off", *extra]
     if spec:
         model, k = spec.split(":")
         cmd += ["--speculative-model", model, "--num-speculative-tokens", k]
@@ -96,12 +96,15 @@ def main() -> None:
                     help="interleaved rounds per level (each config --duration s per round); a config's ratio is the "
                          "median over rounds of its rate / off's rate in the same round (a burst of another job on "
                          "the shared machine hits one round of one config, not the ratio)")
+    ap.add_argument("--num-threads", type=int, default=None,
+                    help="every server's `--num-threads` (default: torch's choice)")
     a = ap.parse_args()
     if a.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
     configs = dict(c.split("=", 1) for c in (a.config or ["off=", "draft-k4=demo-draft:4", "draft-auto=demo-draft:auto",
                                                            "ngram-k4=ngram:4", "ngram-auto=ngram:auto"]))
-    servers = {n: start_server(s) for n, s in configs.items()}
+    extra = ["--num-threads", str(a.num_threads)] if a.num_threads else []
+    servers = {n: start_server(s, extra) for n, s in configs.items()}
     res: dict[str, dict[int, list[dict]]] = {n: {c: [] for c in a.concurrency} for n in configs}
     spec: dict[str, dict[int, dict[str, float]]] = {n: {c: defaultdict(float) for c in a.concurrency} for n in configs}
     base = next(iter(configs))
@@ -127,7 +130,8 @@ def main() -> None:
             p.terminate()
             p.wait(30)
     print(f"\n### tokenmill serve + tokenmill bench: output tok/s by concurrency ({a.workload}, {a.duration:g} s "
-          f"per level and config, {a.rounds} interleaved round(s))\n\n{capabilities().summary()}\n")
+          f"per level and config, {a.rounds} interleaved round(s), "
+          f"{'torch threads ' + str(a.num_threads) if a.num_threads else 'default threads'})\n\n{capabilities().summary()}\n")
     if a.rounds > 1:
         print(f"Ratio: median over rounds of (config / {base} in the same round), [min-max]; {base}: median tok/s\n")
     print("| concurrency | " + " | ".join(configs) + " |")
