@@ -307,3 +307,22 @@ def test_probe_cost_does_not_delay_a_probe_that_wins():
     g = GoodputGuard(GuardConfig(k_max=6))
     ratio = _drive_with_transition(g, 16, 3000, 1000.0, 1300.0, 20.0)
     assert g.current(16) >= 1 and ratio >= 1.2, (ratio, g.rates(16))
+
+
+def test_guard_ladder_stops_climbing_past_a_rung_that_loses_to_off_and_to_the_rung_below():
+    # 32 sequences, a draft model (session 11, AVX2, through the server): every rung loses and longer drafts
+    # lose more. Past k = 2 (below off and below k = 1) the climb stops: k = 4 and k_max, the costliest probes
+    # (a draft catch-up of every sequence, k more verify rows each), are never run.
+    g = GoodputGuard(GuardConfig(k_max=6))
+    rates = {0: 1500.0, 1: 1280.0, 2: 1140.0, 3: 1000.0, 4: 800.0, 5: 850.0, 6: 900.0}
+    used = _drive(g, 32, 3000, rates.__getitem__)
+    assert g.current(32) == 0 and set(used) <= {0, 1, 2}, g.rates(32)
+
+
+def test_guard_ladder_keeps_climbing_past_a_dip_that_still_beats_off():
+    # batch 1 with the draft (session 11, AVX2): k = 2 measured below k = 1, both above off, k = 4-6 best
+    g = GoodputGuard(GuardConfig(k_max=6))
+    rates = {0: 150.0, 1: 190.0, 2: 180.0, 3: 240.0, 4: 275.0, 5: 295.0, 6: 300.0}
+    assert g.cap(1, suggest=1) == 0
+    _drive(g, 1, 1500, rates.__getitem__)
+    assert g.current(1) >= 4, g.rates(1)
