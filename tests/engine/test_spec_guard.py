@@ -310,9 +310,9 @@ def test_probe_cost_does_not_delay_a_probe_that_wins():
 
 
 def test_guard_ladder_stops_climbing_past_a_rung_that_loses_to_off_and_to_the_rung_below():
-    # 32 sequences, a draft model (session 11, AVX2, through the server): every rung loses and longer drafts
-    # lose more. Past k = 2 (below off and below k = 1) the climb stops: k = 4 and k_max, the costliest probes
-    # (a draft catch-up of every sequence, k more verify rows each), are never run.
+    # a big batch where every rung loses and longer drafts lose more (the shape of the draft at 32 sequences on
+    # the AVX2 box, session 11). Past k = 2 (below off and below k = 1) the climb stops: k = 4 and k_max, the
+    # costliest probes (a draft catch-up of every sequence, k more verify rows each), are never run.
     g = GoodputGuard(GuardConfig(k_max=6))
     rates = {0: 1500.0, 1: 1280.0, 2: 1140.0, 3: 1000.0, 4: 800.0, 5: 850.0, 6: 900.0}
     used = _drive(g, 32, 3000, rates.__getitem__)

@@ -279,8 +279,10 @@ class GoodputGuard:
         """The ladder's first rung not measured yet (None: the ladder is done). The climb stops early at a rung
         that loses to off and to the rung below it, each by the margin: past it, longer drafts only cost more
         (each rung is a draft catch-up of every sequence and k more verify rows; at 32 sequences on the AVX2
-        box k = 1, 2, 4, 6 measured 0.86, 0.77, 0.53, 0.61x of off, session 11). A rung that beats off keeps
-        the climb going even when below the one before (batch 1: k = 2 below k = 1 by noise, k = 4-6 best)."""
+        box, session 11, decode-only steps of the draft's rungs: k = 1, 2, 4, 6 at 0.72, 0.97, 0.67, 0.76x of
+        off's rate in the same window, so the climb would stop at k = 4, sparing the k_max probe). A rung that
+        beats off keeps the climb going even when below the one before (batch 1: k = 2 measured below k = 1,
+        k = 4-6 best)."""
         min_s = self.cfg.min_samples
         off = b.arms.get(0)
         bar = off.rate() / (1 + self.cfg.margin) if off is not None and off.samples >= min_s else None
