@@ -3,6 +3,13 @@ idle (1 session) to saturation, speculation off vs each configuration, ratios vs
 
     python benchmarks/spec_serve_sweep.py --concurrency 1 4 16 64 --duration 15 \
         --config off= --config draft-k4=demo-draft:4 --config draft-auto=demo-draft:auto
+    python benchmarks/spec_serve_sweep.py --num-threads 1 --rounds 2 --duration 7 ...   # a shared, loaded box
+
+`--rounds R` repeats each level R times, configurations interleaved within a round; a configuration's ratio
+is the median over rounds of its rate over off's rate in the same round, printed with the [min-max] range
+(the resolution of the run). Per level the servers' /metrics give acceptance, the share of sequence-steps with
+k > 0, the mean k, and k switches per request per minute (switches / (concurrency x seconds) x 60: the
+closed loop keeps `concurrency` requests alive throughout).
 
 Each configuration is one `tokenmill serve --model demo --admission off [--speculative-model M
 --num-speculative-tokens K]` subprocess; each load level one `tokenmill bench --workload batch:...
