@@ -6,6 +6,12 @@ fares when other jobs share the cores (docs/benchmarks/spec_decode.md, session 1
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tokenmill.hardware import capabilities  # noqa: E402
+
 CODE = r'''
 import sys, time, json, torch
 from tokenmill.engine.llm_engine import LLMEngine
@@ -32,4 +38,5 @@ for r in range(3):
             print(p.stderr[-2000:]); continue
         res[t].append(json.loads(line[0][7:])["tok_s"])
         print(t, round(res[t][-1]), flush=True)
-print({t: [round(x) for x in v] for t, v in res.items()})
+print(capabilities().summary())
+print("batch-1 tok/s by torch threads:", {t: [round(x) for x in v] for t, v in res.items()})
