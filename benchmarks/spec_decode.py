@@ -24,6 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
+
 from tokenmill import SamplingParams  # noqa: E402
 from tokenmill.engine.llm_engine import LLMEngine  # noqa: E402
 from tokenmill.hardware import capabilities  # noqa: E402
@@ -97,9 +99,12 @@ def engines(configs: dict[str, dict], **common) -> dict[str, LLMEngine]:
     return out
 
 
+NUM_THREADS: int | None = None  # --num-threads (torch's threads are per process: one value for every engine)
+
+
 def bench_interleaved(title: str, configs: dict[str, dict], prompts: list[list[int]], max_tokens: int,
                       batch: int, repeats: int) -> None:
-    es = engines(configs, kv_cache_bytes="256MiB")
+    es = engines(configs, kv_cache_bytes="256MiB", num_threads=NUM_THREADS)
     for e in es.values():  # warm-up (kernels, allocator, the auto policy's first cost samples)
         run_batch(e, prompts[:batch], 16, "warm")
     wall = {n: 0.0 for n in es}
@@ -118,8 +123,8 @@ def bench_interleaved(title: str, configs: dict[str, dict], prompts: list[list[i
                 decode_s[n].extend((d - f) / (max_tokens - 1) for f, d in times.values())
     base = next(iter(es))
     print(f"\n### {title}\n")
-    print(f"{len(prompts)} prompts x {repeats} repeats, batch {batch}, {max_tokens} greedy tokens each; "
-          f"{capabilities().summary()}\n")
+    print(f"{len(prompts)} prompts x {repeats} repeats, batch {batch}, {max_tokens} greedy tokens each, "
+          f"torch threads {torch.get_num_threads()}; {capabilities().summary()}\n")
     print("| config | output tok/s | speedup vs off | mean TPOT ms | identical to off | acceptance | tokens/verify "
           "| chosen k (seq-steps) | k switches /req/min |")
     print("|---|---:|---:|---:|---|---:|---:|---|---:|")
@@ -249,7 +254,10 @@ def main() -> None:
     p.add_argument("--base", required=True, help="a checkout without speculative decoding (e.g. git archive of main)")
     p.add_argument("--repeats", type=int, default=3)
     p.set_defaults(func=cmd_overhead)
+    ap.add_argument("--num-threads", type=int, default=None, help="torch threads for every engine (default: torch's)")
     a = ap.parse_args()
+    global NUM_THREADS
+    NUM_THREADS = a.num_threads
     a.func(a)
 
 

@@ -18,11 +18,15 @@ the policy under the best measured cap.
                    probe is the best cap measured so far. The first probe comes after `min_samples` steps, and
                    a probe of an arm with fewer than `min_samples` samples runs until it has them, so a
                    bucket has its first comparison within ~2·min_samples steps
-    ladder         from off, a bucket of <= 4 sequences probes the caps (suggestion, 2, 4, k_max) in turn until
-                   each is measured, then the best measured one (a draft model may lose at k = 1 and win at
-                   k = 4); no switch before every rung is measured (one that beats off a little must not win
-                   before a better one was tried); bigger buckets probe k = 1 only (if one draft does not pay
-                   there, more do not)
+    ladder         from off, a bucket probes the caps (first, 2, 4, k_max) in turn until each is measured,
+                   then the best measured one (a draft model may lose at k = 1 and win at k = 4, at batch 1
+                   and at 16 sequences alike); no switch before every rung is measured (one that beats off a
+                   little must not win before a better one was tried). The first rung is the cost model's
+                   suggestion in a bucket of <= 4 sequences, k = 1 (the cheapest probe) in bigger ones; the
+                   next rung follows at once unless the rungs' measured cost asks a longer wait than the
+                   ladder's own length (a big batch, where each probe from off is a draft catch-up of every
+                   sequence): then it waits that (the probe-cost amortisation below). The climb stops at a
+                   rung that loses to off and to the rung below it (longer drafts only cost more past it)
     switch         to the arm whose measured rate beats the current one's by `margin` (relative), each having
                    at least `min_samples` steps, in two comparisons in a row (after the first win the current
                    arm runs for a probe's length, then the challenger is probed again: one lucky window of a
@@ -36,8 +40,8 @@ the policy under the best measured cap.
                    whole prompt): not part of any arm's rate (`settle`), so without this account a big batch
                    paid it unseen every <= 512 steps. After a failed probe the next one waits at least
                    probe_cost / (explore_budget x the current arm's mean step) steps: probing takes at most
-                   ~explore_budget of the bucket's time at any batch size (a ladder or a confirming probe is
-                   not delayed; a probe that gained costs nothing).
+                   ~explore_budget of the bucket's time at any batch size (a confirming probe is not delayed,
+                   a ladder's rung only as said above; a probe that gained costs nothing).
 
 What a step costs under a cap is everything speculation adds to it: the decoder passes in every step with
 decoding sequences, including a new request's first draft catch-up (the draft's prefill of its context,
@@ -151,13 +155,15 @@ class GoodputGuard:
             b.cur = 0
             bk = bucket(n)
             # a probe wakes every sequence's draft (a catch-up) and verifies k more rows per sequence: at a
-            # large batch it costs in proportion, so big buckets probe with k = 1 (if one draft does not pay
-            # there, more do not either) and less often
+            # large batch it costs in proportion, so big buckets start their ladder at k = 1 (the cheapest
+            # probe) and probe less often; a rung that lost delays the next by its measured cost (_amortised)
             b.seed = 1 if bk > 4 else max(1, min(self.cfg.k_max, suggest or self.cfg.k_max))
-            # small buckets: from off, probe a ladder of caps, not only the suggestion and its neighbours (a
-            # draft model can lose at k = 1 and win at k = 4: its forward has a fixed cost; measured, batch 1)
-            b.ladder = (b.seed,) if bk > 4 else tuple(dict.fromkeys(
-                [b.seed] + [k for k in (2, 4, self.cfg.k_max) if k <= self.cfg.k_max]))
+            # from off, probe a ladder of caps, not only the suggestion and its neighbours: a draft model can
+            # lose at k = 1 and win at k = 4 (its forward has a fixed cost per draft step): measured at batch 1
+            # (session 9) and at 16 sequences (session 11, AVX2: k = 1 0.79x of off's rate on its steps, k = 4
+            # level with off; session 9, AVX-512: fixed k = 4 1.10x of off at 16 sessions), so "if one draft
+            # does not pay, longer ones do not" is false at every batch size
+            b.ladder = tuple(dict.fromkeys([b.seed] + [k for k in (2, 4, self.cfg.k_max) if k <= self.cfg.k_max]))
             b.base = b.interval = min(self.cfg.max_probe_every, self.cfg.probe_every * max(1, bk // 4))
             b.next_probe = max(b.next_probe, b.interval)
         b = self._get(n)
@@ -188,11 +194,10 @@ class GoodputGuard:
         k_max = self.cfg.k_max
         if b.pending is not None:  # an arm that won once is probed again: a switch needs two wins in a row
             return b.pending
-        if b.cur == 0:  # off: the ladder's first cap not measured yet, then the best cap measured so far
-            for k in b.ladder or (b.seed,):
-                a = b.arms.get(k)
-                if a is None or a.samples < self.cfg.min_samples:
-                    return k
+        if b.cur == 0:  # off: the ladder's next rung, then the best cap measured so far
+            k = self._next_rung(b)
+            if k is not None:
+                return k
             on = [(a.rate(), k) for k, a in b.arms.items() if k and a.samples]
             return max(on)[1] if on else b.seed
         if b.num_probes % 2 == 0:
@@ -208,9 +213,11 @@ class GoodputGuard:
         cur = b.arms.get(b.cur)
         if cur is None or cur.samples < cfg.min_samples:
             return
-        if b.cur == 0 and any(b.arms.get(k) is None or b.arms[k].samples < cfg.min_samples for k in b.ladder):
+        if b.cur == 0 and self._next_rung(b) is not None:
             # from off, the whole ladder is measured before any switch: a rung that beats off a little must not
-            # win before a better one was tried (batch 1, draft: k = 1 won, k = 4 was never probed again)
+            # win before a better one was tried (batch 1, draft: k = 1 won, k = 4 was never probed again). The
+            # next rung follows at once, unless the rungs so far measurably cost (a big batch: a draft catch-up
+            # of every sequence per probe): then it waits their amortised interval (_window sets it)
             b.next_probe = b.steps + cfg.probe_len + cfg.settle
             return
         best, best_rate = b.cur, cur.rate() * (1 + cfg.margin)
@@ -259,10 +266,42 @@ class GoodputGuard:
                 if r > 0:
                     cost = w[0] - w[1] / r
                     b.probe_cost = cost if b.probe_cost is None else 0.5 * (b.probe_cost + cost)
-                    ladder_open = b.cur == 0 and any(
-                        b.arms.get(k) is None or b.arms[k].samples < self.cfg.min_samples for k in b.ladder)
-                    if b.pending is None and not ladder_open:  # a confirming probe or the ladder is not delayed
-                        b.next_probe = max(b.next_probe, b.steps + self._amortised(b))
+                    ladder_open = b.cur == 0 and self._next_rung(b) is not None
+                    # a confirming probe is not delayed; a ladder's next rung neither while the rungs' cost is under
+                    # a probe's own length (a small batch: the undelayed ladder turns it on within ~200 steps) or a
+                    # rung measured so far beats the current arm (a switch follows: the catch-ups are repaid)
+                    wait = self._amortised(b)
+                    if b.pending is None and (not ladder_open or (
+                            wait > self.cfg.probe_len * len(b.ladder) and not self._rung_wins(b, r))):
+                        b.next_probe = max(b.next_probe, b.steps + wait)
+
+    def _next_rung(self, b: _Bucket) -> int | None:
+        """The ladder's first rung not measured yet (None: the ladder is done). The climb stops early at a rung
+        that loses to off and to the rung below it, each by the margin: past it, longer drafts only cost more
+        (each rung is a draft catch-up of every sequence and k more verify rows; at 32 sequences on the AVX2
+        box, session 11, decode-only steps of the draft's rungs: k = 1, 2, 4, 6 at 0.72, 0.97, 0.67, 0.76x of
+        off's rate in the same window, so the climb would stop at k = 4, sparing the k_max probe). A rung that
+        beats off keeps the climb going even when below the one before (batch 1: k = 2 measured below k = 1,
+        k = 4-6 best)."""
+        min_s = self.cfg.min_samples
+        off = b.arms.get(0)
+        bar = off.rate() / (1 + self.cfg.margin) if off is not None and off.samples >= min_s else None
+        prev = None
+        for k in b.ladder or (b.seed,):
+            a = b.arms.get(k)
+            if a is None or a.samples < min_s:
+                return k
+            r = a.rate()
+            if bar is not None and prev is not None and r < bar and r < prev / (1 + self.cfg.margin):
+                return None
+            prev = r
+        return None
+
+    def _rung_wins(self, b: _Bucket, cur_rate: float) -> bool:
+        """A measured rung of the ladder beats the current arm's rate by the margin."""
+        bar = cur_rate * (1 + self.cfg.margin)
+        return any(a.samples >= self.cfg.min_samples and a.rate() > bar
+                   for k in b.ladder if (a := b.arms.get(k)) is not None)
 
     def probe_cost(self, n: int) -> float | None:
         """The measured cost of a probe in this bucket, seconds (None: not measured)."""
