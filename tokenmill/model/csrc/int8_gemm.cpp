@@ -16,8 +16,12 @@
 // load is one k pair of 8 channels, the operand layout of vpmaddwd), a 6 x 16 register-blocked micro-kernel
 // (12 int32 accumulators), at::parallel_for over (row chunk, panel) tasks, the activation quantize fused in front
 // and the dequantize epilogue (scales, bias) fused into the micro-kernel's stores.
-// avx2_int8_gemv (at most 8 rows, decode): streams the plain int8 weight [N, K] once (a quarter of fp32's bytes),
-// sign-extended to int16 on the fly (vpmovsxbw), against the int16-quantized x rows.
+// avx2_int8_gemv (at most 8 rows, decode): streams the plain int8 weight [N, K] once (a quarter of fp32's bytes).
+// K % 32 == 0 (session 11): int8 x int8 through vpmaddubsw, |w| (u8) times x * sign(w) (s8), 32 products per
+// instruction (gemv_u8 below: why its saturating int16 pair sums are exact); else (or set_avx2_int8_u8(false)) the
+// weight sign-extended to int16 on the fly (vpmovsxbw) against the int16-quantized x rows, 16 per instruction.
+// Both give the same int32 sums, so the same bits. avx2_int8_head_argmax: the int8 lm_head's greedy token through
+// gemv_u8 without writing the logits (model/lm_head.py, Avx2Int8Head).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
