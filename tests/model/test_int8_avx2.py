@@ -101,3 +101,170 @@ def test_bad_input_is_refused():
         K_MOD.avx2_int8_gemm(torch.empty(2, 15), torch.randn(2, 32), panels, torch.ones(16), None)
     with pytest.raises(RuntimeError, match="int8"):
         K_MOD.avx2_int8_pack(torch.zeros(4, 4))
+
+
+# ---- the vpmaddubsw GEMV (|w| as u8 times x * sign(w) as s8) and the AVX2 int8 head fused with the argmax ----
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n,k", [(8, 32), (768, 512), (512, 1408), (40, 64)])
+def test_u8_gemv_same_bits_as_the_reference_and_the_i16_kernel(dtype, m, n, k):
+    gen = torch.Generator().manual_seed(m * 13 + n + k)
+    w8 = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)  # -128 too (a checkpoint may hold it)
+    sw = torch.rand(n, generator=gen) * 0.01 + 1e-4
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    prev = K_MOD.set_avx2_int8_u8(True)
+    try:
+        out = torch.empty(m, n, dtype=dtype)
+        assert K_MOD.avx2_int8_gemv(out, x, w8, sw, bias)
+        K_MOD.set_avx2_int8_u8(False)
+        old = torch.empty(m, n, dtype=dtype)
+        assert K_MOD.avx2_int8_gemv(old, x, w8, sw, bias)
+    finally:
+        K_MOD.set_avx2_int8_u8(prev)
+    assert torch.equal(out, _reference(x, w8, sw, bias))
+    assert torch.equal(out, old)
+
+
+@pytest.mark.parametrize("wval", [127, -127, -128])
+def test_u8_gemv_extreme_pairs_do_not_saturate(wval):
+    """vpmaddubsw adds two u8*s8 products in saturating int16: with |w| <= 128 and |q| <= 127 a pair is at most
+    2 * 128 * 127 = 32512 < 32767. All-extreme operands reach it in every pair (and 127*127*K past 2^24)."""
+    k, n = 1408, 16
+    w8 = torch.full((n, k), wval, dtype=torch.int8)
+    w8[1::2] = -wval if wval != -128 else 127
+    x = torch.ones(3, k)  # quantizes to +-127 exactly
+    x[1] = -1
+    x[2, 1::2] = -1
+    q = torch.empty(3, k, dtype=torch.int8)
+    K_MOD.quantize_rows(q, torch.empty(3), x)
+    assert q.abs().max() == 127 and (q != -128).all()  # the quantizer never produces -128
+    sw = torch.ones(n)
+    out = torch.empty(3, n)
+    assert K_MOD.avx2_int8_gemv(out, x, w8, sw, None)
+    assert torch.equal(out, _reference(x, w8, sw, None))
+    s = torch.tensor(1.0) / 127  # the row's scale (max|x| / 127), fp32
+    assert out[0, 0] == torch.tensor(float(wval * 127 * k)) * s  # every pair at its extreme, summed exactly
+
+
+def _head_case(v, k, m, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w8 = torch.randint(-127, 128, (v, k), generator=gen, dtype=torch.int8)
+    sw = torch.rand(v, generator=gen) * 0.01 + 1e-4
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    return w8, sw, x
+
+
+def _gemv_argmax(x, w8, sw):
+    logits = torch.empty(x.shape[0], w8.shape[0], dtype=x.dtype)
+    assert K_MOD.avx2_int8_gemv(logits, x, w8, sw, None)
+    return logits, logits.argmax(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_head_argmax_equals_argmax_of_the_gemv_logits(dtype, m, threads):
+    w8, sw, x = _head_case(4000, 512, m, dtype, m + threads)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tok = torch.empty(m, dtype=torch.long)
+        assert K_MOD.avx2_int8_head_argmax(tok, x, w8, sw)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(tok, _gemv_argmax(x, w8, sw)[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_argmax_ties_nan_and_inf(dtype):
+    """torch.argmax's rules on the stored logits: the first index of the maximum (ties inside a block, across
+    blocks and across the threads' ranges; in bf16 values that only tie after rounding), the first NaN if any."""
+    v, k = 4096, 64
+    w8, sw, x = _head_case(v, k, 4, dtype, 3)
+    w8[:] = w8[0]  # every row the same weights: logits differ only by their scale
+    sw[:] = 0.01
+    sw[3000] = sw[5] = sw[2049] = 0.02  # the maximum (for rows with positive sums) at 5, 2049, 3000: the first wins
+    sw[7] = 0.02 * (1 + 2 ** -12)  # larger in fp32, the same value after bf16 rounding
+    tok = torch.empty(4, dtype=torch.long)
+    assert K_MOD.avx2_int8_head_argmax(tok, x, w8, sw)
+    logits, ref = _gemv_argmax(x, w8, sw)
+    assert torch.equal(tok, ref)
+    sw[1234] = float("nan")
+    sw[3333] = float("nan")
+    sw[100] = float("inf")
+    assert K_MOD.avx2_int8_head_argmax(tok, x, w8, sw)
+    logits, ref = _gemv_argmax(x, w8, sw)
+    assert logits.isnan().any() and torch.equal(tok, ref)
+
+
+def test_head_argmax_all_negative_infinity_rows():
+    v, k = 64, 32
+    w8 = torch.full((v, k), 1, dtype=torch.int8)
+    sw = torch.full((v,), float("inf"))
+    x = -torch.ones(2, k)
+    tok = torch.empty(2, dtype=torch.long)
+    assert K_MOD.avx2_int8_head_argmax(tok, x, w8, sw)
+    logits, ref = _gemv_argmax(x, w8, sw)
+    assert (logits == float("-inf")).all() and torch.equal(tok, ref) and tok.tolist() == [0, 0]
+
+
+def test_head_argmax_declines_and_refuses():
+    tok = torch.empty(1, dtype=torch.long)
+    assert not K_MOD.avx2_int8_head_argmax(tok, torch.randn(1, 48), torch.zeros(16, 48, dtype=torch.int8),
+                                           torch.ones(16))  # K % 32 != 0
+    assert not K_MOD.avx2_int8_head_argmax(tok, torch.randn(1, 32), torch.zeros(12, 32, dtype=torch.int8),
+                                           torch.ones(12))  # N % 8 != 0
+    tok9 = torch.empty(9, dtype=torch.long)
+    assert not K_MOD.avx2_int8_head_argmax(tok9, torch.randn(9, 32), torch.zeros(16, 32, dtype=torch.int8),
+                                           torch.ones(16))  # more than 8 rows
+    with pytest.raises(RuntimeError, match="tokens"):
+        K_MOD.avx2_int8_head_argmax(torch.empty(2, dtype=torch.long), torch.randn(1, 32),
+                                    torch.zeros(16, 32, dtype=torch.int8), torch.ones(16))
+    with pytest.raises(RuntimeError, match="w8"):
+        K_MOD.avx2_int8_head_argmax(tok, torch.randn(1, 32), torch.zeros(16, 64, dtype=torch.int8), torch.ones(16))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_greedy_through_the_avx2_head_equals_the_logits_path(tiny_dir, dtype):
+    """On a CPU without int8 dot products the int8 model's head is Avx2Int8Head: all-greedy steps of <= 8 rows take
+    its fused argmax, and give the tokens of the logits path (greedy with logprobs, which writes the logits)."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.hardware import capabilities
+    from tokenmill.model.lm_head import Avx2Int8Head
+
+    if capabilities().native_int8:
+        pytest.skip("native int8: the VNNI head (Int8PackedHead) runs there")
+    llm = LLM(str(tiny_dir), dtype=dtype, quantization="int8", kv_cache_bytes="8MiB")
+    model = llm.engine.runner.model
+    head = model.packed_head
+    assert isinstance(head, Avx2Int8Head)
+    calls = {"greedy": 0}
+    inner = head.greedy
+
+    def counted(h):
+        calls["greedy"] += 1
+        return inner(h)
+
+    head.greedy = counted
+    prompts = [[5, 17, 300, 42, 9, 11], [7, 8, 9], list(range(40, 80)), [100, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    fused = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert calls["greedy"] > 0
+    llm.engine.kv.pool.reset_prefix_cache()
+    n = calls["greedy"]
+    with_logits = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0))
+    assert calls["greedy"] == n  # logprobs: the logits path
+    assert [r.outputs[0].token_ids for r in fused] == [r.outputs[0].token_ids for r in with_logits]
+    h = torch.randn(3, model.cfg.hidden_size).to(getattr(torch, dtype))
+    assert torch.equal(head.greedy(h), model.compute_logits(h, float32=False).argmax(-1))
+
+
+def test_avx2_head_off_with_the_env_switches(tiny_dir, monkeypatch):
+    from tokenmill import LLM
+
+    monkeypatch.setenv("TOKENMILL_AVX2_INT8", "0")
+    assert LLM(str(tiny_dir), quantization="int8", kv_cache_bytes="8MiB").engine.runner.model.packed_head is None
+    monkeypatch.setenv("TOKENMILL_AVX2_INT8", "1")
+    monkeypatch.setenv("TOKENMILL_LM_HEAD", "0")
+    assert LLM(str(tiny_dir), quantization="int8", kv_cache_bytes="8MiB").engine.runner.model.packed_head is None

@@ -169,7 +169,7 @@ class Int8LinearMethod(UnquantizedLinearMethod):
     bit-identical int32 sums, 64 int8 products per instruction: ~3x `linear_small_int8` on the demo shapes).
     On a CPU without int8 dot products (AVX2 only: oneDNN's int8 GEMM is not safe there, `int8_gemm` False) the
     same W8A8 product runs through the AVX2 exact kernels of csrc/int8_gemm.cpp: `avx2_int8_gemv` for at most 8
-    rows (the int8 weight streamed once), `avx2_int8_gemm` above (int16 weight panels packed here at load time,
+    rows (the int8 weight streamed once; int8 x int8 via vpmaddubsw where K % 32 == 0), `avx2_int8_gemm` above (int16 weight panels packed here at load time,
     vpmaddwd into int32): bit-identical to quantize_rows + an int32 product + dequant_rows, for any row count.
     TOKENMILL_AVX2_INT8=0 restores the path before them there (`linear_small_int8`, W8 with float activations, for
     <= 8 rows; the dequantize-to-fp32 matmul above). Nothing is dequantized to a float matmul on the hot path."""

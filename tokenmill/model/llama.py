@@ -14,7 +14,7 @@ from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.cpu_kernels import kernels_for
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding
-from tokenmill.model.lm_head import Int8PackedHead, PackedHead
+from tokenmill.model.lm_head import Avx2Int8Head, Int8PackedHead, PackedHead
 from tokenmill.model.linear import LINEAR_METHODS, Int8LinearMethod, Linear, LinearMethod, PackedWeight
 
 
@@ -105,7 +105,7 @@ class LlamaModel(nn.Module):
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype,
                                   method=Int8LinearMethod() if self.int8_head else None)
         self.tied_head: "PackedWeight | Linear | None" = None
-        self.packed_head: PackedHead | Int8PackedHead | None = None  # the head kernel (lm_head.py), after loading
+        self.packed_head: PackedHead | Int8PackedHead | Avx2Int8Head | None = None  # the head kernel (lm_head.py), after loading
         self.fused = None  # the one-call decoder stack for decode steps (fused_decode.py), set after loading
         self.fused_mixed = None  # its twin for steps with prefill chunks (fused_mixed.py), set after loading
 
@@ -127,7 +127,7 @@ class LlamaModel(nn.Module):
                 self.tied_head = PackedWeight.maybe(self.embed_tokens.weight)
         if not self.int8_head and self.lm_head is not None and self.lm_head.bias is None:
             self.packed_head = PackedHead.build(self.lm_head.weight)
-        if self.int8_head:  # the int8 head's own kernel (VNNI), same interface
+        if self.int8_head:  # the int8 head's own kernel (VNNI; AVX2 without it), same interface
             self.packed_head = Int8PackedHead.build(self.lm_head if self.lm_head is not None else self.tied_head)
         self.decode_read_bytes = self._decode_read_bytes()
         from tokenmill.model.fused_decode import FusedDecodeStack

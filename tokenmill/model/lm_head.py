@@ -72,12 +72,14 @@ class Int8PackedHead:
         self.w8_t = w8_t if w8_t is not None and hasattr(kernels, "head_argmax_int8") else None
 
     @classmethod
-    def build(cls, head) -> "Int8PackedHead | None":
+    def build(cls, head) -> "Int8PackedHead | Avx2Int8Head | None":
         """`head`: an Int8LinearMethod Linear (w8 [V, K], w8_sum, w_scale), without bias, with native int8."""
         from tokenmill.model.cpu_kernels import kernels_for
 
-        if not enabled_by_env() or not hasattr(head, "w8") or head.bias is not None or not head.int8_gemm:
+        if not enabled_by_env() or not hasattr(head, "w8") or head.bias is not None:
             return None
+        if not head.int8_gemm:  # no int8 dot products (AVX2 only): the AVX2 exact head, where it applies
+            return Avx2Int8Head.build(head)
         w8 = head.w8
         if w8.dim() != 2 or w8.shape[1] % 4 or w8.device.type != "cpu":
             return None
@@ -125,4 +127,52 @@ class Int8PackedHead:
         sx = torch.empty(h.shape[0], dtype=torch.float32)
         self.kernels.quantize_rows(q, sx, h)
         self.kernels.head_argmax_int8(out, torch._int_mm(q, self.w8_t), sx, self.sw, h.dtype == torch.bfloat16)
+        return out
+
+
+class Avx2Int8Head:
+    """The int8 W8A8 head on CPUs without int8 dot products (AVX2 only), where `Int8PackedHead` does not apply: the
+    head Linear's plain int8 weight [V, K] streamed once by csrc/int8_gemm.cpp's vpmaddubsw GEMV (exact int32 sums),
+    parallel over the vocabulary. `greedy` fuses the argmax into it (`avx2_int8_head_argmax`: the logits are
+    neither written nor read back); `logits` is the head Linear's own call (`avx2_int8_gemv`), so both are the
+    module path's bits: `greedy(h)` is exactly `head(h).argmax(-1)` (tests/model/test_int8_avx2.py). At most
+    MAX_ROWS rows (the GEMV's limit); more rows keep the module path (avx2_int8_gemm, then argmax)."""
+
+    MAX_ROWS = 8
+
+    def __init__(self, kernels, head):
+        self.kernels, self.head = kernels, head
+        self.vocab, self.hidden = head.w8.shape
+
+    @classmethod
+    def build(cls, head) -> "Avx2Int8Head | None":
+        """`head`: an Int8LinearMethod Linear without bias that runs the AVX2 exact kernels (`avx2_panels` set:
+        TOKENMILL_AVX2_INT8=1 on a CPU without a safe int8 GEMM); None where the kernel's shape limits rule it out."""
+        from tokenmill.model.cpu_kernels import kernels_for
+
+        if getattr(head, "avx2_panels", None) is None or head.bias is not None:
+            return None
+        v, h = head.w8.shape
+        if v % 8 or v < 8 or h % 32 or h > 8192 or head.w8.device.type != "cpu":
+            return None
+        k = kernels_for(head.w_scale)
+        if k is None or not hasattr(k, "avx2_int8_head_argmax"):
+            return None
+        return cls(k, head)
+
+    def applies(self, h: torch.Tensor) -> bool:
+        return (h.dtype in (torch.bfloat16, torch.float32) and h.device.type == "cpu" and h.dim() == 2
+                and h.shape[1] == self.hidden and 0 < h.shape[0] <= self.MAX_ROWS)
+
+    def applies_greedy(self, h: torch.Tensor) -> bool:
+        return self.applies(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h)  # Int8LinearMethod.apply: avx2_int8_gemv for <= 8 rows
+
+    def greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """The argmax per row of the head's logits in h's dtype, without the logits."""
+        out = torch.empty(h.shape[0], dtype=torch.long)
+        if not self.kernels.avx2_int8_head_argmax(out, h.contiguous(), self.head.w8, self.head.w_scale):
+            raise RuntimeError("avx2_int8_head_argmax refused a shape applies() accepted")
         return out

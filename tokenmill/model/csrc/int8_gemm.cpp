@@ -16,14 +16,21 @@
 // load is one k pair of 8 channels, the operand layout of vpmaddwd), a 6 x 16 register-blocked micro-kernel
 // (12 int32 accumulators), at::parallel_for over (row chunk, panel) tasks, the activation quantize fused in front
 // and the dequantize epilogue (scales, bias) fused into the micro-kernel's stores.
-// avx2_int8_gemv (at most 8 rows, decode): streams the plain int8 weight [N, K] once (a quarter of fp32's bytes),
-// sign-extended to int16 on the fly (vpmovsxbw), against the int16-quantized x rows.
+// avx2_int8_gemv (at most 8 rows, decode): streams the plain int8 weight [N, K] once (a quarter of fp32's bytes).
+// K % 32 == 0 (session 11): int8 x int8 through vpmaddubsw, |w| (u8) times x * sign(w) (s8), 32 products per
+// instruction (gemv_u8 below: why its saturating int16 pair sums are exact); else (or set_avx2_int8_u8(false)) the
+// weight sign-extended to int16 on the fly (vpmovsxbw) against the int16-quantized x rows, 16 per instruction.
+// Both give the same int32 sums, so the same bits. avx2_int8_head_argmax: the int8 lm_head's greedy token through
+// gemv_u8 without writing the logits (model/lm_head.py, Avx2Int8Head).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <mutex>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -32,6 +39,8 @@
 #endif
 
 namespace {
+
+bool g_u8 = true;  // set_avx2_int8_u8
 
 #ifdef TM_INT8_AVX2
 constexpr int64_t NR = 16;  // output channels per packed panel (two ymm of int32 accumulators)
@@ -253,6 +262,186 @@ void gemv(const T* xp, const int8_t* wp, const float* sw, const T* bp, T* op, in
     }
   });
 }
+
+// ---- at most 8 rows, int8 x int8 with vpmaddubsw (32 multiply-adds per instruction), still exact ----
+// vpmaddubsw multiplies u8 by s8 and adds pairs into *saturating* int16. With |w| as the u8 operand
+// (vpabsb: 0..128, -128 included) and x * sign(w) as the s8 one (vpsignb; the quantized x lies in [-127, 127], so
+// its negation never overflows), each product is w*x and a pair sum is at most 2 * 128 * 127 = 32512 < 32767: no
+// saturation, the sum is exact. vpmaddwd with ones widens the pairs into int32 (exact), accumulated in int32 as
+// the vpmaddwd kernels do. So the sums, and through the same epilogue the outputs, are the same bits as gemv().
+
+// x row -> int8 q (K entries, K % 8 == 0) and its scale: quantize_row_i16's arithmetic, narrowed (|q| <= 127)
+template <typename T>
+inline void quantize_row_i8(const T* xr, int64_t K, int8_t* q, float* s_out) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 mx = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load8(xr + k)));
+  float lanes[8], amax = 0.f;
+  _mm256_storeu_ps(lanes, mx);
+  for (float v : lanes) amax = std::max(amax, v);
+  const float s = amax > 0.f ? amax / 127.f : 1.f, inv = 1.f / s;
+  *s_out = s;
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256i i32 = _mm256_cvtps_epi32(_mm256_mul_ps(load8(xr + k), iv));  // round to nearest even
+    const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(i16, i16));
+  }
+}
+
+// the 8 int32 lane sums of a[0..7], in order, as one vector
+inline __m256i reduce8(const __m256i* a) {
+  const __m256i h01 = _mm256_hadd_epi32(a[0], a[1]), h23 = _mm256_hadd_epi32(a[2], a[3]);
+  const __m256i h45 = _mm256_hadd_epi32(a[4], a[5]), h67 = _mm256_hadd_epi32(a[6], a[7]);
+  const __m256i h0123 = _mm256_hadd_epi32(h01, h23), h4567 = _mm256_hadd_epi32(h45, h67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20),
+                          _mm256_permute2x128_si256(h0123, h4567, 0x31));
+}
+
+// R x rows (int8, row stride K) against NB weight rows of w (row stride K), K % 32 == 0: per-lane int32 sums
+template <int R, int NB>
+inline void dot_u8(const int8_t* q, int64_t K, const int8_t* w, __m256i (*acc_out)[8], int i0) {
+  __m256i acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NB; ++i) acc[r][i] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t k = 0; k < K; k += 32) {
+    __m256i xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + k));
+    for (int i = 0; i < NB; ++i) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * K + k));
+      const __m256i aw = _mm256_abs_epi8(wv);
+      for (int r = 0; r < R; ++r)
+        acc[r][i] = _mm256_add_epi32(
+            acc[r][i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[r], wv)), ones));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NB; ++i) acc_out[r][i0 + i] = acc[r][i];
+}
+
+// sums[r] = the 8 int32 dot products of x row r with weight rows n0 .. n0+7 (w points at row n0), R <= 4
+template <int R>
+inline void dot8_u8(const int8_t* q, int64_t K, const int8_t* w, __m256i* sums) {
+  __m256i acc[R][8];
+  constexpr int NB = R == 1 ? 8 : R == 2 ? 4 : 2;  // R * NB accumulators: at most 8 of the 16 ymm registers
+  for (int i0 = 0; i0 < 8; i0 += NB) dot_u8<R, NB>(q, K, w + i0 * K, acc, i0);
+  for (int r = 0; r < R; ++r) sums[r] = reduce8(acc[r]);
+}
+
+inline void dot8_u8_rows(int R, const int8_t* q, int64_t K, const int8_t* w, __m256i* sums) {
+  switch (R) {
+    case 1: return dot8_u8<1>(q, K, w, sums);
+    case 2: return dot8_u8<2>(q, K, w, sums);
+    case 3: return dot8_u8<3>(q, K, w, sums);
+    default: return dot8_u8<4>(q, K, w, sums);
+  }
+}
+
+// the epilogue's fp32 values for 8 outputs, as epilogue8 computes them before the store (no bias)
+inline __m256 logits8(__m256i acc, float s, const float* sw) {
+  return no_contract(_mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(s)), _mm256_loadu_ps(sw)));
+}
+
+inline __m256 round_bf16_8(__m256 v) {  // store8's rounding, kept in fp32 (the low half cleared)
+  __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// one thread's running argmax of one row over its blocks (lanes: the largest value, the first index holding it)
+struct ArgmaxLanes {
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256i idx = _mm256_setzero_si256();
+  int64_t first_nan = -1;
+  void add(__m256 v, int64_t n0) {
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    if (first_nan < 0 && _mm256_movemask_ps(nan)) first_nan = n0 + __builtin_ctz(_mm256_movemask_ps(nan));
+    const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);  // strictly greater: a lane keeps its first maximum
+    best = _mm256_blendv_ps(best, v, gt);
+    idx = _mm256_castps_si256(_mm256_blendv_ps(
+        _mm256_castsi256_ps(idx),
+        _mm256_castsi256_ps(_mm256_add_epi32(_mm256_set1_epi32((int32_t)n0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))),
+        gt));
+  }
+  void result(float* b, int64_t* i) const {  // the largest lane; among equal ones the first index
+    alignas(32) float lv[8];
+    alignas(32) int32_t li[8];
+    _mm256_store_ps(lv, best);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(li), idx);
+    float bb = -std::numeric_limits<float>::infinity();
+    int64_t bi = -1;
+    for (int j = 0; j < 8; ++j)
+      if (lv[j] > bb || (lv[j] == bb && (bi < 0 || li[j] < bi))) {
+        bb = lv[j];
+        bi = li[j];
+      }
+    *b = bb;
+    *i = bi;
+  }
+};
+
+// out rows [M, N] (or, greedy, tokens [M]) = W8A8(x) through the vpmaddubsw kernel, one parallel region
+// greedy: each row's argmax of the values `out` would hold (torch.argmax's rules: the first index of the maximum,
+// or of the first NaN), without writing them
+template <typename T>
+void gemv_u8(const T* xp, const int8_t* wp, const float* sw, const T* bp, T* op, int64_t* tokens, int64_t M,
+             int64_t K, int64_t N) {
+  alignas(32) int8_t q[8 * 8192];
+  float sx[8];
+  for (int64_t m = 0; m < M; ++m) quantize_row_i8<T>(xp + m * K, K, q + m * K, sx + m);
+  const int64_t NB8 = N / 8;
+  struct Part { int64_t b0; float best[8]; int64_t idx[8]; int64_t nan[8]; };
+  std::vector<Part> parts;
+  std::mutex mu;
+  at::parallel_for(0, NB8, 16, [&](int64_t b0, int64_t b1) {
+    ArgmaxLanes am[8];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * 8;
+      if (b + 1 < b1)  // the next block's first lines, ahead of the prefetcher's ramp-up
+        for (int i = 0; i < 8; ++i) _mm_prefetch(reinterpret_cast<const char*>(wp + (n0 + 8 + i) * K), _MM_HINT_T0);
+      __m256i sums[8];
+      for (int64_t m = 0; m < M; m += 4) {
+        const int R = (int)std::min<int64_t>(4, M - m);
+        dot8_u8_rows(R, q + m * K, K, wp + n0 * K, sums + m);
+      }
+      if (tokens) {
+        for (int64_t m = 0; m < M; ++m) {
+          __m256 v = logits8(sums[m], sx[m], sw + n0);
+          if (std::is_same<T, at::BFloat16>::value) v = round_bf16_8(v);
+          am[m].add(v, n0);
+        }
+      } else {
+        for (int64_t m = 0; m < M; ++m) epilogue8<T>(op + m * N + n0, sums[m], sx[m], sw + n0, bp ? bp + n0 : nullptr, 8);
+      }
+    }
+    if (tokens && b1 > b0) {
+      Part p;
+      p.b0 = b0;
+      for (int64_t m = 0; m < M; ++m) {
+        am[m].result(&p.best[m], &p.idx[m]);
+        p.nan[m] = am[m].first_nan;
+      }
+      std::lock_guard<std::mutex> g(mu);
+      parts.push_back(p);
+    }
+  });
+  if (!tokens) return;
+  std::sort(parts.begin(), parts.end(), [](const Part& a, const Part& b) { return a.b0 < b.b0; });
+  for (int64_t m = 0; m < M; ++m) {
+    float best = -std::numeric_limits<float>::infinity();
+    int64_t bi = 0, nan = -1;
+    for (const Part& p : parts) {
+      if (nan < 0 && p.nan[m] >= 0) nan = p.nan[m];
+      if (p.best[m] > best) {  // strictly greater: an earlier part keeps a tie
+        best = p.best[m];
+        bi = p.idx[m];
+      }
+    }
+    tokens[m] = nan >= 0 ? nan : bi;
+  }
+}
 #endif
 
 void check_common(const torch::Tensor& out, const torch::Tensor& x, const torch::Tensor& sw,
@@ -335,6 +524,15 @@ bool avx2_int8_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch:
   if (M < 1 || M > 8 || N % 8 != 0 || K % 16 != 0 || K > 8192) return false;
   const float* swp = sw.data_ptr<float>();
   const int8_t* wp = w8.data_ptr<int8_t>();
+  if (K % 32 == 0 && g_u8) {  // the vpmaddubsw kernel: the same bits
+    if (x.scalar_type() == at::kFloat)
+      gemv_u8<float>(x.data_ptr<float>(), wp, swp, bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(),
+                     nullptr, M, K, N);
+    else
+      gemv_u8<at::BFloat16>(x.data_ptr<at::BFloat16>(), wp, swp, bias ? bias->data_ptr<at::BFloat16>() : nullptr,
+                            out.data_ptr<at::BFloat16>(), nullptr, M, K, N);
+    return true;
+  }
   if (x.scalar_type() == at::kFloat)
     gemv<float>(x.data_ptr<float>(), wp, swp, bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(), M, K, N);
   else
@@ -347,6 +545,42 @@ bool avx2_int8_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch:
 #endif
 }
 
+// The greedy token of each of 1 <= M <= 8 rows of the int8 head W8A8(x) (no bias; N % 8 == 0, K % 32 == 0,
+// K <= 8192): torch.argmax over the values avx2_int8_gemv would store in x's dtype (the same epilogue, bf16 rounded
+// as store8 rounds), without writing them; returns false (nothing written) where it does not apply
+bool avx2_int8_head_argmax(torch::Tensor tokens, torch::Tensor x, torch::Tensor w8, torch::Tensor sw) {
+#ifdef TM_INT8_AVX2
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "avx2_int8_head_argmax: x must be a contiguous fp32 or bf16 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w8.size(0);
+  TORCH_CHECK(w8.scalar_type() == at::kChar && w8.is_contiguous() && w8.dim() == 2 && w8.size(1) == K,
+              "avx2_int8_head_argmax: w8 must be a contiguous int8 [N, K]");
+  TORCH_CHECK(sw.scalar_type() == at::kFloat && sw.is_contiguous() && sw.numel() == N,
+              "avx2_int8_head_argmax: weight scales must be fp32 [N]");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous() && tokens.numel() == M,
+              "avx2_int8_head_argmax: tokens must be int64 [M]");
+  if (M < 1 || M > 8 || N % 8 != 0 || N < 8 || K % 32 != 0 || K > 8192) return false;
+  if (x.scalar_type() == at::kFloat)
+    gemv_u8<float>(x.data_ptr<float>(), w8.data_ptr<int8_t>(), sw.data_ptr<float>(), nullptr, nullptr,
+                   tokens.data_ptr<int64_t>(), M, K, N);
+  else
+    gemv_u8<at::BFloat16>(x.data_ptr<at::BFloat16>(), w8.data_ptr<int8_t>(), sw.data_ptr<float>(), nullptr, nullptr,
+                          tokens.data_ptr<int64_t>(), M, K, N);
+  return true;
+#else
+  (void)tokens; (void)x; (void)w8; (void)sw;
+  return false;
+#endif
+}
+
+// benchmarks: avx2_int8_gemv through the vpmaddubsw kernel (true, the default) or the vpmovsxbw + vpmaddwd one
+// (false; the same bits); returns the previous setting
+bool set_avx2_int8_u8(bool on) {
+  const bool prev = g_u8;
+  g_u8 = on;
+  return prev;
+}
+
 void register_int8_gemm(pybind11::module& m) {
   m.def("has_avx2_int8", &has_avx2_int8, "whether the AVX2 exact int8 kernels are compiled in");
   m.def("avx2_int8_pack", &avx2_int8_pack, "int8 W [N, K] -> the int16 k-pair panels avx2_int8_gemm reads");
@@ -355,4 +589,9 @@ void register_int8_gemm(pybind11::module& m) {
   m.def("avx2_int8_gemv", &avx2_int8_gemv, "exact W8A8 for <= 8 rows, int8 weight streamed once (AVX2; False "
         "where it does not apply)", py::arg("out"), py::arg("x"), py::arg("w8"), py::arg("sw"),
         py::arg("bias") = py::none());
+  m.def("avx2_int8_head_argmax", &avx2_int8_head_argmax, "the greedy token per row (<= 8 rows) of the int8 head "
+        "W8A8(x) without writing the logits (AVX2; False where it does not apply)", py::arg("tokens"), py::arg("x"),
+        py::arg("w8"), py::arg("sw"));
+  m.def("set_avx2_int8_u8", &set_avx2_int8_u8, "avx2_int8_gemv's vpmaddubsw kernel on/off (same bits; for "
+        "benchmarks); returns the previous setting");
 }
