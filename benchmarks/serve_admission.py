@@ -43,10 +43,12 @@ def start_server(mode: str, args, port: int, log: Path) -> subprocess.Popen:
     if mode == "vllm":
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--port",
                str(port), "--enable-prompt-tokens-details"]
+        if args.vllm_dtype:  # default: vLLM's own choice (bf16 for a bf16 checkpoint on every x86 CPU)
+            cmd += ["--dtype", args.vllm_dtype]
         env = {**ENV, "VLLM_CPU_KVCACHE_SPACE": "4"}
     else:
         cmd = [PY, "-m", "tokenmill", "serve", "--model", args.model, "--port", str(port), "--admission", mode,
-               "--slo", f"agent:ttft={args.ttft_ms:g},tpot={args.tpot_ms:g}", "--kv-cache-bytes", args.kv_cache_bytes]
+               "--slo", f"agent:ttft={args.ttft_ms:g},tpot={args.tpot_ms:g}", "--kv-cache-bytes", args.kv_cache_bytes, *args.serve_arg]
         env = ENV
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
@@ -146,6 +148,9 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per point")
     ap.add_argument("--modes", default="leading,off", help="leading, lagging, off, vllm (comma-separated)")
     ap.add_argument("--vllm-python", default="/tmp/vllm/bin/python")
+    ap.add_argument("--vllm-dtype", default=None, help="vLLM's --dtype (default: vLLM's own default)")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="extra `tokenmill serve` argument (repeatable), e.g. --serve-arg=--quantization=int8")
     ap.add_argument("--workload", default=AGENT)
     ap.add_argument("--ttft-ms", type=float, default=2000.0)
     ap.add_argument("--tpot-ms", type=float, default=250.0)
@@ -163,6 +168,8 @@ def main() -> None:
     print(f"# CPU: {capabilities().summary()}")
     print(f"# model {args.model}; workload {args.workload}; SLO agent TTFT {args.ttft_ms:g} ms, TPOT {args.tpot_ms:g} ms;"
           f" {args.duration:g} s of arrivals per point; out {out}")
+    print(f"# tokenmill serve extra args: {' '.join(args.serve_arg) or '(none)'}; vLLM --dtype: "
+          f"{args.vllm_dtype or '(its default)'}")
     rows = []
     rates = [float(x) for x in args.sessions.split(",")]
     for i, r in enumerate(rates):  # the modes of one load level back to back: drifts of the machine hit both
@@ -181,7 +188,8 @@ def main() -> None:
         top = max((r["goodput"] for r in mine), default=0) or 1
         for r in mine:
             name = {"leading": "tokenmill (admission leading)", "off": "tokenmill (admission off)",
-                    "lagging": "tokenmill (admission lagging)", "vllm": "vLLM-CPU"}[mode]
+                    "lagging": "tokenmill (admission lagging)",
+                    "vllm": f"vLLM-CPU ({args.vllm_dtype or 'default dtype'})"}[mode]
             print(f"| {name} | {r['sessions_per_s']:g} | {r['sent']} | {r['completed']} | {r['refused']} | "
                   f"{r['goodput']:.2f} | {100 * r['goodput'] / top:.0f}% | {fmt(r['attainment'] and 100 * r['attainment'], '.0f')}% | "
                   f"{fmt(r['attainment_accepted'] and 100 * r['attainment_accepted'], '.0f')}% | "
