@@ -109,20 +109,36 @@ def test_guard_config_errors():
 
 @pytest.mark.slow
 def test_auto_stops_speculating_with_a_draft_that_measurably_loses(monkeypatch):
-    """Through the engine: the draft's proposal is made 4 ms slower (a draft that costs more than it earns,
-    which the cost model's prior does not know); `auto` must end up off for nearly every step."""
+    """Through the engine: the draft's proposal is made slower by 8x the last step's own time (a draft that costs
+    more than it can earn on any machine or load: with k <= 6 a step yields at most 7 tokens, so a step that also
+    waits 8 of its own lengths loses to off; which the cost model's prior does not know); `auto` must end up off
+    for nearly every step. (A fixed 4 ms, as before, could pay for itself on a loaded machine where a step takes
+    40-80 ms: the test failed there although the guard was right.)"""
     from tokenmill import LLM, SamplingParams
     from tokenmill.engine.spec import proposers
 
     cls = proposers.DraftModelProposer
     orig = cls.propose
+    clock = {"own": 0.004, "slept": 0.0}  # the last step's time without the injected sleep; sleep in this step
 
     def slow(self, *a, **kw):
-        time.sleep(0.004)
+        pause = min(max(0.004, 8 * clock["own"]), 0.25)
+        time.sleep(pause)
+        clock["slept"] += pause
         return orig(self, *a, **kw)
 
     monkeypatch.setattr(cls, "propose", slow)
     llm = LLM("demo", kv_cache_bytes="32MiB", speculative_model="demo-draft", num_speculative_tokens="auto")
+    step = llm.engine.step
+
+    def timed_step(*a, **kw):
+        clock["slept"], t0 = 0.0, time.perf_counter()
+        try:
+            return step(*a, **kw)
+        finally:
+            clock["own"] = time.perf_counter() - t0 - clock["slept"]
+
+    llm.engine.step = timed_step
     sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     llm.generate(["def f(x):", "import os\n"], sp)  # the bucket (2 sequences) learns: its probes lose
     spec = llm.engine.spec
