@@ -35,6 +35,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warm", type=int, default=300, help="requests before the measured ones")
     ap.add_argument("--admission", default="leading")
     ap.add_argument("--picks", metavar="FILE", help="write the picked endpoint (or the refusal) per request")
+    ap.add_argument("--wire", action="store_true", help="the whole server path but the socket: each request's "
+                    "HTTP/2 frames fed to the frames transport (grpc_frames.FramesProtocol.data_received) as the C++ "
+                    "client writes them, its answers taken by a transport that only keeps their bytes (a digest "
+                    "of every stream's frames is printed: two checkouts that answer alike print the same)")
     ap.add_argument("--callgrind-ctl", metavar="SO", help="a library with cg_start() / cg_stop() (callgrind "
                     "client requests) called around the measured requests")
     args = ap.parse_args(argv)
@@ -81,7 +85,6 @@ def main(argv=None) -> int:
         router = Router(cfg, clock=lambda: clock[0])
         for w in router.pool:
             w.healthy = True
-        metrics, wire = EppMetrics(router.metrics.registry), _Wire()
         picks, live, timers = [], [], []
 
         def message(ex, data):
@@ -91,6 +94,52 @@ def main(argv=None) -> int:
                 wire(r)
             return out
 
+        if not args.wire:
+            metrics, wire = EppMetrics(router.metrics.registry), _Wire()
+        else:  # the frames transport on a transport that keeps what is written
+            from tokenmill.router import grpc_frames as gf
+            from tokenmill.router.epp_h2 import H2EppServer
+
+            class Transport:
+                def __init__(self):
+                    self.chunks, self.unacked = [], 0
+
+                def write(self, b):  # (the protocol hands over its buffer and starts a new one: kept as is)
+                    self.chunks.append(b)
+                    self.unacked += len(b)
+
+                def is_closing(self):
+                    return False
+
+                def get_extra_info(self, name, default=None):
+                    return default
+
+                def close(self):
+                    pass
+
+            epp = H2EppServer(router, "127.0.0.1", 0)  # (its listening socket is not used)
+            epp.sock.close()
+            transport, conn = Transport(), gf.FramesProtocol(epp.server)
+            conn.connection_made(transport)
+            # the C++ client's connection start: preface, SETTINGS (no push, its windows at 2^31-1), WINDOW_UPDATE
+            conn.data_received(gf.PREFACE + gf.frame(gf.SETTINGS, 0, 0, bytes.fromhex("000200000000" "00047fffffff"))
+                               + gf.frame(gf.WINDOW_UPDATE, 0, 0, (2**31 - 1 - 65535).to_bytes(4, "big"))
+                               + gf.frame(gf.SETTINGS, gf.ACK, 0))
+            block = b"".join(gf._literal(k, v) for k, v in (
+                (b":method", b"POST"), (b":scheme", b"http"),
+                (b":path", b"/envoy.service.ext_proc.v3.ExternalProcessor/Process"), (b":authority", b"127.0.0.1:9002"),
+                (b"content-type", b"application/grpc"), (b"te", b"trailers")))
+
+            def data(sid, msg):
+                return gf.frame(gf.DATA, 0, sid, b"\0" + len(msg).to_bytes(4, "big") + msg)
+
+            def feed(b):
+                conn.data_received(b)
+                if transport.unacked > 1 << 20:  # as the C++ client credits the server's DATA back (each MiB)
+                    spent = gf.MAX_WINDOW - conn.send_window  # (the DATA payload sent: read off the server's count)
+                    conn.data_received(gf.frame(gf.WINDOW_UPDATE, 0, 0, spent.to_bytes(4, "big")))
+                    transport.unacked = 0
+
         t0 = time.process_time()
         for i in range(n_total):
             if i == args.warm:
@@ -99,32 +148,64 @@ def main(argv=None) -> int:
             clock[0] += 0.002
             while timers and timers[0][0] <= clock[0]:
                 router.end_prefill(heapq.heappop(timers)[2])
-            ex = _Exchange(router, metrics)
-            message(ex, headers)
-            out = message(ex, bodies[i])
+            if args.wire:
+                sid = 2 * i + 1
+                feed(gf.frame(gf.HEADERS, gf.END_HEADERS, sid, block) + data(sid, headers) + data(sid, bodies[i]))
+                call = conn.calls.get(sid)
+                assert call is not None and call.sink.task is None, f"stream {sid} not answered at once: {call and call.sink.task}"
+                ex = call.sink.ex
+                out = None
+            else:
+                ex = _Exchange(router, metrics)
+                message(ex, headers)
+                out = message(ex, bodies[i])
             if i >= args.warm:
-                picks.append(ex.flight.worker if ex.flight else str(out[0].immediate_response.status.code))
+                picks.append(ex.flight.worker if ex.flight else
+                             str(out[0].immediate_response.status.code if out else "refused"))
             if ex.prefill_timer is not None:  # on the virtual clock instead of the loop's
                 ex.prefill_timer.cancel()
                 heapq.heappush(timers, (clock[0] + max(0.0, ex.flight.predicted_ttft_s), i, ex.flight))
-            live.append(ex)
+            live.append((2 * i + 1, ex))
             if len(live) > 15:
-                message(live[len(live) - 16], resp_headers)
+                sid, ex = live[len(live) - 16]
+                if args.wire:
+                    feed(data(sid, resp_headers))
+                else:
+                    message(ex, resp_headers)
             if len(live) > 165:
-                live.pop(0).close()
+                sid, ex = live.pop(0)
+                if args.wire:  # the client half-closes: the exchange ends, the server sends its trailers
+                    feed(gf.frame(gf.DATA, gf.END_STREAM, sid))
+                else:
+                    ex.close()
         dt = time.process_time() - t0
         stop()
-        return dt, picks
+        if args.wire:
+            conn._flush()  # (what still waits for a write)
+        written = writes = "-"
+        if args.wire:  # every stream's frames in the order written (the interleaving of streams aside)
+            out, streams, at = b"".join(transport.chunks), {}, 0
+            while at < len(out):
+                n = int.from_bytes(out[at:at + 3], "big")
+                sid = int.from_bytes(out[at + 5:at + 9], "big") & 0x7FFFFFFF
+                streams.setdefault(sid, []).append(out[at + 3:at + 5] + out[at + 9:at + 9 + n])
+                at += 9 + n
+            h = hashlib.sha256()
+            for sid in sorted(streams):
+                h.update(b"%d:" % sid + b"|".join(streams[sid]))
+            written, writes = h.hexdigest()[:12], f"{len(transport.chunks) / n_total:.2f}"
+        return dt, picks, written, writes
 
-    dt, picks = asyncio.run(run())
+    dt, picks, written, writes = asyncio.run(run())
     if args.picks:
         with open(args.picks, "w") as f:
             f.write("\n".join(picks) + "\n")
     print(f"# CPU: {capabilities().summary()}")
-    print("| requests | admission | CPU ms/request | picks digest |")
-    print("|---|---|---|---|")
-    print(f"| {args.requests} | {args.admission} | {dt / args.requests * 1e3:.3f} | "
-          f"{hashlib.sha256(chr(10).join(picks).encode()).hexdigest()[:12]} |")
+    print("| requests | admission | path | CPU ms/request | picks digest | frames written digest | writes/request |")
+    print("|---|---|---|---|---|---|---|")
+    print(f"| {args.requests} | {args.admission} | {'wire (frames transport)' if args.wire else 'messages'} | "
+          f"{dt / args.requests * 1e3:.3f} | {hashlib.sha256(chr(10).join(picks).encode()).hexdigest()[:12]} | "
+          f"{written} | {writes} |")
     return 0
 
 

@@ -705,14 +705,23 @@ def test_the_hop_trace_stamps_each_answer_in_order_and_a_pick_is_written_before_
 
 
 def test_streamed_body_answers_are_the_nested_messages():
-    """epp._streamed (set through the field path) builds the same message as the nested constructors."""
-    from tokenmill.router.epp import _streamed
+    """epp.StreamedBody: its message() (set through the field path) is the message the nested constructors build,
+    and its SerializeToString() (written directly, the body spliced in) is protobuf's own serialization of it, byte
+    for byte, for bodies on both sides of every varint length boundary of the nested prefixes."""
+    from tokenmill.router.epp import StreamedBody
 
+    lengths = (0, 1, 3, 115, 116, 117, 118, 120, 121, 122, 123, 124, 125, 126, 127, 128, 129, 1700, 16370, 16371,
+               16372, 16375, 16376, 16377, 16378, 16380, 16383, 16384, 16385, 2_097_140, 2_097_151, 2_097_152)
     for phase in ("request_body", "response_body"):
-        for body in (b"", b"abc", b"x" * 2000):
+        for n in lengths:
+            body = bytes(range(256)) * (n // 256) + bytes(n % 256)
             for eos in (False, True):
                 ref = pb.ProcessingResponse(**{phase: pb.BodyResponse(response=pb.CommonResponse(
                     body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=body,
                                                                                              end_of_stream=eos))))})
-                got = _streamed(phase, body, eos)
-                assert got == ref and got.SerializeToString() == ref.SerializeToString()
+                got = StreamedBody(phase, body, eos)
+                assert got.message() == ref
+                assert got.SerializeToString() == ref.SerializeToString(), (phase, n, eos)
+                assert pb.ProcessingResponse.FromString(got.SerializeToString()) == ref
+    with pytest.raises(ValueError, match="request_body or response_body"):
+        StreamedBody("request_headers", b"", True)

@@ -382,3 +382,78 @@ def test_a_broken_connection_gets_a_goaway_and_is_closed(request, serve, bad):
             await server.stop(0)
 
     run(main())
+
+
+def test_a_finished_sink_calls_trailers_go_with_the_next_write_or_after_a_short_delay(monkeypatch):
+    """grpc_frames defers the OK trailers of a "sink" call whose client has finished (nothing waits on them)
+    to the next write on the connection — another stream's answer carries them — or, with no other traffic,
+    writes them LATER_S after; a call whose client is still sending gets its trailers (and RST_STREAM) at once."""
+    from tokenmill.router import grpc_frames
+    from tokenmill.router.grpc_h2 import Sink
+
+    class Upper(Sink):
+        def __init__(self, call):
+            self.call = call
+
+        def message(self, data):
+            if data == b"stop":  # finished while the client still sends: trailers now, and RST_STREAM
+                self.call.finish()
+            else:
+                self.call.send_now(data.upper())
+
+        def end(self):
+            self.call.finish()
+
+    async def stream_frame(c, timeout):  # the next frame on a stream (the connection's SETTINGS etc. skipped)
+        while True:
+            f = await asyncio.wait_for(c.frame(), timeout)
+            if f[2] != 0:
+                return f
+
+    async def main():
+        server = GrpcH2Server({ECHO: Method("sink", Upper)}, protocol=FramesProtocol)
+        port = await server.start("127.0.0.1", 0)
+        c = await Client.connect(port)
+        try:
+            monkeypatch.setattr(grpc_frames, "LATER_S", 60.0)  # only another write can carry them
+            c.writer.write(frame(HEADERS, END_HEADERS, 1, c.headers_block()) + frame(DATA, 0, 1, grpc_msg(b"a")))
+            kind, _, sid, payload = await stream_frame(c, 5)  # the response headers, then the answer
+            assert (kind, sid) == (HEADERS, 1)
+            c.dec.decode(payload, raw=True)
+            assert await stream_frame(c, 5) == (DATA, 0, 1, grpc_msg(b"A"))
+            c.writer.write(frame(DATA, END_STREAM, 1))  # the client is done: stream 1's trailers wait
+            for _ in range(100):
+                (conn,) = server.connections
+                if conn.later:
+                    break
+                await asyncio.sleep(0.01)
+            assert conn.later and not conn.calls
+            with pytest.raises(asyncio.TimeoutError):
+                await stream_frame(c, 0.2)
+            c.writer.write(frame(HEADERS, END_HEADERS, 3, c.headers_block()) + frame(DATA, 0, 3, grpc_msg(b"b")))
+            got = {}
+            while 1 not in got or 3 not in got:  # stream 3's answer; stream 1's trailers in the same write
+                kind, flags, sid, payload = await stream_frame(c, 5)
+                if kind == HEADERS and flags & END_STREAM:
+                    got[sid] = dict(c.dec.decode(payload, raw=True))
+                elif kind == HEADERS:
+                    c.dec.decode(payload, raw=True)
+                elif kind == DATA:
+                    got[sid] = payload
+            assert got[1][b"grpc-status"] == b"0" and got[3] == grpc_msg(b"B") and not conn.later
+
+            monkeypatch.setattr(grpc_frames, "LATER_S", 0.01)  # no other traffic: the delay writes them
+            c.writer.write(frame(DATA, END_STREAM, 3))
+            kind, flags, sid, payload = await stream_frame(c, 5)
+            assert (kind, flags & END_STREAM, sid) == (HEADERS, END_STREAM, 3)
+            assert c.dec.decode(payload, raw=True) == [(b"grpc-status", b"0")]
+
+            monkeypatch.setattr(grpc_frames, "LATER_S", 60.0)
+            c.writer.write(frame(HEADERS, END_HEADERS, 5, c.headers_block()) + frame(DATA, 0, 5, grpc_msg(b"stop")))
+            got = await asyncio.wait_for(c.until_end([5]), 5)  # at once: trailers-only, then RST_STREAM
+            assert got[5][1][b"grpc-status"] == b"0"
+        finally:
+            c.close()
+            await server.stop(0)
+
+    run(main())

@@ -20,7 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2
 
 from tokenmill.router.epp import (BODY_ACK, EXT_PROC_SERVICE, HEADERS_ACK, RESPONSE_BODY_ACK, RESPONSE_HEADERS_ACK,
-                                  EppMetrics, _destination, _Exchange)
+                                  EppMetrics, StreamedBody, _destination, _Exchange)
 from tokenmill.router.grpc_h2 import UNKNOWN, Call, CallClosed, GrpcH2Server, Method, Sink, _Refuse
 from tokenmill.router.router import Router
 
@@ -50,7 +50,9 @@ class _Wire:
                 self.cache[id(c)] = (c, c.SerializeToString())
         self.cache[id(m)] = (m, m.SerializeToString())
 
-    def __call__(self, m: pb.ProcessingResponse) -> bytes:
+    def __call__(self, m: pb.ProcessingResponse | StreamedBody) -> bytes:
+        if type(m) is StreamedBody:  # a body passed on: written directly, not through protobuf
+            return m.SerializeToString()
         hit = self.cache.get(id(m))
         if hit is not None and hit[0] is m:
             return hit[1]

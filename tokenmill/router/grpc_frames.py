@@ -59,6 +59,10 @@ MAX_WINDOW = 2**31 - 1
 MAX_HEADER_LIST = 1 << 16
 MAX_BLOCK_CACHE = 256
 MAX_GRPC_MESSAGE = 1024  # characters of a grpc-message trailer (it must fit one HEADERS frame)
+# the OK trailers of a "sink" call whose client has finished sending wait (in `later`) for the next write on the
+# connection, at most this long: nobody waits on them (the sink's answers are out), and each write is a syscall
+# and a TCP segment on both sides; under load the next pick's write takes them along
+LATER_S = 0.002
 FRAME_HEAD = struct.Struct(">HBBBI")  # length (24 bits as 16 + 8), type, flags, stream id (31 bits + R)
 DATA_HEAD = struct.Struct(">HBBBIBI")  # a DATA frame's head and a whole gRPC message's 5-byte prefix
 
@@ -134,6 +138,8 @@ class FramesProtocol(CallsProtocol):
         self.buf = bytearray()
         self.preface = False  # the client's connection preface has been read
         self.out = bytearray()  # frames to write (one write per callback / loop iteration)
+        self.later = bytearray()  # frames nobody waits on: they go with the next write of `out` (or after LATER_S)
+        self.later_timer: asyncio.TimerHandle | None = None
         self.flush_scheduled = False
         self.receiving = False  # inside data_received: it writes `out` at its end
         self.closing = False  # GOAWAY sent or received: no new streams
@@ -184,12 +190,25 @@ class FramesProtocol(CallsProtocol):
 
     def _flush(self) -> None:
         self.flush_scheduled = False
-        self._write()
+        self._write_later()
         if self.closing and not self.calls and self.transport is not None:
             self.transport.close()
 
+    def _write_later(self) -> None:
+        """Write everything queued, `later` included."""
+        if self.later:
+            self.out += self.later
+            self.later = bytearray()
+        self._write()
+
     def _write(self) -> None:
         if self.out:
+            if self.later:  # (after `out`: a stream's trailers follow its frames that are still there)
+                self.out += self.later
+                self.later = bytearray()
+            if self.later_timer is not None:
+                self.later_timer.cancel()
+                self.later_timer = None
             if self.transport is not None and not self.transport.is_closing():
                 self.transport.write(self.out)
             self.out = bytearray()
@@ -204,6 +223,9 @@ class FramesProtocol(CallsProtocol):
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
+        if self.later_timer is not None:
+            self.later_timer.cancel()
+            self.later_timer = None
         for call in list(self.calls.values()):
             self._abort(call)
         for fut in self.window_waiters.values():
@@ -261,7 +283,7 @@ class FramesProtocol(CallsProtocol):
         log.debug("HTTP/2 connection error from the client: %s", why)
         self.dead = self.closing = True
         self.out += frame(GOAWAY, 0, 0, struct.pack(">II", self.last_sid, code) + why.encode()[:256])
-        self._write()
+        self._write_later()
         self.loop.call_soon(self._close_transport)
 
     def _close_transport(self) -> None:
@@ -365,10 +387,14 @@ class FramesProtocol(CallsProtocol):
         if n > len(data):  # padding is credited now, the message bytes when the handler takes them
             self._credit(sid, n - len(data))
         call.unacked += len(data)
-        try:
-            call._data(data)
-        except _Refuse as e:
-            self._finish_now(call, e.status, str(e))
+        if call.sink is not None and not call.buf and len(data) >= 5 and data[0] == 0 and \
+                int.from_bytes(data[1:5], "big") == len(data) - 5:
+            call.messages.append(data[5:])  # one whole message and nothing buffered before it: no reassembly
+        else:
+            try:
+                call._data(data)
+            except _Refuse as e:
+                self._finish_now(call, e.status, str(e))
         if flags & END_STREAM:
             call.ended = True
             call._wake()
@@ -559,7 +585,17 @@ class FramesProtocol(CallsProtocol):
         if call.unacked:  # what the handler never read: the connection's window back
             self._credit(0, call.unacked)
             call.unacked = 0
-        block = TRAILERS_OK if status == 0 and not message else _trailers(status, message)
+        ok = status == 0 and not message
+        if ok and call.sink is not None and call.ended and call.headers_sent and not self.closing:
+            # the sink's answers are out and the client has finished: nothing waits on these trailers
+            self.later += frame(HEADERS, END_HEADERS | END_STREAM, call.sid, TRAILERS_OK)
+            if self.later_timer is None:
+                self.later_timer = self.loop.call_later(LATER_S, self._write_later)
+            call._wake()
+            self._window_open(call.sid)
+            self._sink_closed(call)
+            return
+        block = TRAILERS_OK if ok else _trailers(status, message)
         if not call.headers_sent:  # trailers-only
             block = RESPONSE_HEADERS + block
         self.out += frame(HEADERS, END_HEADERS | END_STREAM, call.sid, block)
