@@ -204,7 +204,7 @@ class EppMetrics:
         self.requests = Labelled(self.requests)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Exchange:
     """One HTTP request as the gateway streams it to the EPP."""
 
