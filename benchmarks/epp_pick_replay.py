@@ -39,6 +39,9 @@ def main(argv=None) -> int:
                     "HTTP/2 frames fed to the frames transport (grpc_frames.FramesProtocol.data_received) as the C++ "
                     "client writes them, its answers taken by a transport that only keeps their bytes (a digest "
                     "of every stream's frames is printed: two checkouts that answer alike print the same)")
+    ap.add_argument("--loop", default="asyncio", choices=("asyncio", "uvloop"), help="the event loop the replay "
+                    "runs in (its timers: the prefill timer, the deferred trailers; default %(default)s; the picker "
+                    "runs on uvloop when it is installed)")
     ap.add_argument("--callgrind-ctl", metavar="SO", help="a library with cg_start() / cg_stop() (callgrind "
                     "client requests) called around the measured requests")
     args = ap.parse_args(argv)
@@ -196,14 +199,18 @@ def main(argv=None) -> int:
             written, writes = h.hexdigest()[:12], f"{len(transport.chunks) / n_total:.2f}"
         return dt, picks, written, writes
 
+    if args.loop == "uvloop":
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     dt, picks, written, writes = asyncio.run(run())
     if args.picks:
         with open(args.picks, "w") as f:
             f.write("\n".join(picks) + "\n")
     print(f"# CPU: {capabilities().summary()}")
-    print("| requests | admission | path | CPU ms/request | picks digest | frames written digest | writes/request |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| {args.requests} | {args.admission} | {'wire (frames transport)' if args.wire else 'messages'} | "
+    print("| requests | admission | path | loop | CPU ms/request | picks digest | frames written digest | writes/request |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {args.requests} | {args.admission} | {'wire (frames transport)' if args.wire else 'messages'} | {args.loop} | "
           f"{dt / args.requests * 1e3:.3f} | {hashlib.sha256(chr(10).join(picks).encode()).hexdigest()[:12]} | "
           f"{written} | {writes} |")
     return 0
