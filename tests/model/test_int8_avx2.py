@@ -148,6 +148,87 @@ def test_u8_gemv_extreme_pairs_do_not_saturate(wval):
     assert out[0, 0] == torch.tensor(float(wval * 127 * k)) * s  # every pair at its extreme, summed exactly
 
 
+def test_pack8_layout_is_the_gemv_read_order():
+    """[N/8, K/32, 8, 32]: per block of 8 rows, the 32-byte k-chunks of its rows in turn (an independent index map)."""
+    n, k = 24, 96
+    w8 = torch.arange(n * k, dtype=torch.int64).remainder(251).sub(125).to(torch.int8).view(n, k)
+    p = K_MOD.avx2_int8_pack8(w8)
+    assert p.shape == (n // 8, k // 32, 8, 32) and p.dtype == torch.int8 and p.is_contiguous()
+    flat = p.flatten()
+    for row in range(n):
+        for col in range(k):
+            b, i, c, j = row // 8, row % 8, col // 32, col % 32
+            assert flat[((b * (k // 32) + c) * 8 + i) * 32 + j] == w8[row, col]
+    with pytest.raises(RuntimeError, match="pack8"):
+        K_MOD.avx2_int8_pack8(torch.zeros(12, 32, dtype=torch.int8))  # N % 8 != 0
+    with pytest.raises(RuntimeError, match="pack8"):
+        K_MOD.avx2_int8_pack8(torch.zeros(16, 48, dtype=torch.int8))  # K % 32 != 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("n,k", [(8, 32), (768, 512), (512, 1408), (2816, 512), (40, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_gemv_and_head_same_bits_as_the_plain_weight(dtype, m, n, k, threads):
+    gen = torch.Generator().manual_seed(m * 7 + n + k + threads)
+    w8 = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    sw = torch.rand(n, generator=gen) * 0.01 + 1e-4
+    x = (torch.randn(m, k, generator=gen) * 3).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    p = K_MOD.avx2_int8_pack8(w8)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        plain, packed = torch.empty(m, n, dtype=dtype), torch.empty(m, n, dtype=dtype)
+        assert K_MOD.avx2_int8_gemv(plain, x, w8, sw, bias) and K_MOD.avx2_int8_gemv(packed, x, p, sw, bias)
+        tp, tk = torch.empty(m, dtype=torch.long), torch.empty(m, dtype=torch.long)
+        assert K_MOD.avx2_int8_head_argmax(tp, x, w8, sw) and K_MOD.avx2_int8_head_argmax(tk, x, p, sw)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(packed, _reference(x, w8, sw, bias)) and torch.equal(packed, plain)
+    assert torch.equal(tk, tp)
+
+
+def test_packed_gemv_declines_and_refuses():
+    w8 = torch.randint(-127, 128, (16, 64), dtype=torch.int8)
+    p = K_MOD.avx2_int8_pack8(w8)
+    out9 = torch.empty(9, 16)
+    assert not K_MOD.avx2_int8_gemv(out9, torch.randn(9, 64), p, torch.ones(16), None)  # more than 8 rows
+    prev = K_MOD.set_avx2_int8_u8(False)  # the i16 kernel reads the plain layout only: the caller takes the GEMM
+    try:
+        assert not K_MOD.avx2_int8_gemv(torch.empty(1, 16), torch.randn(1, 64), p, torch.ones(16), None)
+    finally:
+        K_MOD.set_avx2_int8_u8(prev)
+    with pytest.raises(RuntimeError, match="w8"):  # K of x does not match the packed weight's
+        K_MOD.avx2_int8_gemv(torch.empty(1, 16), torch.randn(1, 32), p, torch.ones(16), None)
+    with pytest.raises(RuntimeError, match="w8"):
+        K_MOD.avx2_int8_gemv(torch.empty(1, 16), torch.randn(1, 64), p.view(2, 2, 16, 16), torch.ones(16), None)
+
+
+def test_int8_linear_streams_the_packed_weight():
+    """Int8LinearMethod on this CPU keeps the GEMV's copy in read order (where N % 8 == 0 and K % 32 == 0) and
+    its outputs equal the plain weight's, for <= 8 rows (the GEMV) and more (the GEMM)."""
+    from tokenmill.hardware import capabilities
+    from tokenmill.model.linear import Int8LinearMethod, Linear
+
+    if capabilities().native_int8:
+        pytest.skip("native int8: the VNNI / oneDNN paths, not the AVX2 kernels")
+    torch.manual_seed(0)
+    lin = Linear(512, 768, bias=False, method=Int8LinearMethod())
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(768, 512))
+    lin.method.process_weights_after_loading(lin)
+    assert lin.w8_gemv.shape == (96, 16, 8, 32)
+    assert torch.equal(lin.w8_gemv, lin.w8.view(96, 8, 16, 32).permute(0, 2, 1, 3))
+    for m in (1, 8, 9):
+        x = torch.randn(m, 512)
+        ref = torch.empty(m, 768)
+        assert K_MOD.avx2_int8_gemv(ref, x, lin.w8, lin.w_scale, None) if m <= 8 else True
+        if m > 8:
+            K_MOD.avx2_int8_gemm(ref, x, lin.avx2_panels, lin.w_scale, None)
+        assert torch.equal(lin(x), ref)
+
+
 def _head_case(v, k, m, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     w8 = torch.randint(-127, 128, (v, k), generator=gen, dtype=torch.int8)

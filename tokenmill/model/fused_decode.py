@@ -99,7 +99,7 @@ class FusedDecodeStack:
         empty = torch.empty(0)
         bias = lin.bias if lin.bias is not None else empty
         if hasattr(lin, "w8") and getattr(lin, "avx2_panels", None) is not None:  # AVX2 exact int8, any row count
-            return KIND_AVX2_INT8, [lin.w8, empty, lin.w_scale, bias, empty, lin.avx2_panels], True
+            return KIND_AVX2_INT8, [lin.w8_gemv, empty, lin.w_scale, bias, empty, lin.avx2_panels], True
         if hasattr(lin, "w8"):
             big = [empty, lin.w8_t] if lin.int8_gemm else [empty, empty]  # no int8 GEMM: modules use fp32 math
             if lin.int8_gemm and lin.in_features % 64 == 0 and kernels.has_vnni_small():

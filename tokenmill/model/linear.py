@@ -169,7 +169,8 @@ class Int8LinearMethod(UnquantizedLinearMethod):
     bit-identical int32 sums, 64 int8 products per instruction: ~3x `linear_small_int8` on the demo shapes).
     On a CPU without int8 dot products (AVX2 only: oneDNN's int8 GEMM is not safe there, `int8_gemm` False) the
     same W8A8 product runs through the AVX2 exact kernels of csrc/int8_gemm.cpp: `avx2_int8_gemv` for at most 8
-    rows (the int8 weight streamed once; int8 x int8 via vpmaddubsw where K % 32 == 0), `avx2_int8_gemm` above (int16 weight panels packed here at load time,
+    rows (the int8 weight streamed once; int8 x int8 via vpmaddubsw where K % 32 == 0, from a copy of the weight
+    in the order it reads them, `w8_gemv`, where N % 8 == 0 too), `avx2_int8_gemm` above (int16 weight panels packed here at load time,
     vpmaddwd into int32): bit-identical to quantize_rows + an int32 product + dequant_rows, for any row count.
     TOKENMILL_AVX2_INT8=0 restores the path before them there (`linear_small_int8`, W8 with float activations, for
     <= 8 rows; the dequantize-to-fp32 matmul above). Nothing is dequantized to a float matmul on the hot path."""
@@ -199,10 +200,16 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         layer.int8_gemm = layer.w8.device.type == "cpu" and capabilities().native_int8
         # no safe oneDNN int8 GEMM: the AVX2 exact kernels, with their int16 panels (2 bytes per weight) packed once
         layer.avx2_panels = None
+        layer.w8_gemv = layer.w8  # what avx2_int8_gemv streams for <= 8 rows
         if layer.w8.device.type == "cpu" and not layer.int8_gemm and avx2_int8_by_env():
             k = get_kernels()
             if k is not None and hasattr(k, "has_avx2_int8") and k.has_avx2_int8():
                 layer.avx2_panels = k.avx2_int8_pack(layer.w8)
+                n, k_in = layer.w8.shape
+                if n % 8 == 0 and k_in % 32 == 0 and hasattr(k, "avx2_int8_pack8"):
+                    # the same int8 weights in the order the vpmaddubsw GEMV reads them: one sequential stream
+                    # (~1.5x its DRAM rate at 1-4 rows on the AVX2 machine, the same bits: csrc/int8_gemm.cpp)
+                    layer.w8_gemv = k.avx2_int8_pack8(layer.w8)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         lead, k_in = x.shape[:-1], x.shape[-1]
@@ -211,7 +218,7 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         kernels = kernels_for(x2)
         if kernels is not None and m > 0 and getattr(layer, "avx2_panels", None) is not None:
             out = torch.empty(m, n, dtype=x.dtype)  # exact W8A8, the same bits for any m (csrc/int8_gemm.cpp)
-            if m > self.SMALL_ROWS or not kernels.avx2_int8_gemv(out, x2, layer.w8, layer.w_scale, layer.bias):
+            if m > self.SMALL_ROWS or not kernels.avx2_int8_gemv(out, x2, layer.w8_gemv, layer.w_scale, layer.bias):
                 kernels.avx2_int8_gemm(out, x2, layer.avx2_panels, layer.w_scale, layer.bias)
         elif kernels is not None and m > 0 and (m <= self.SMALL_ROWS or layer.int8_gemm):
             out = torch.empty(m, n, dtype=x.dtype)

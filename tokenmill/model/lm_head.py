@@ -173,6 +173,6 @@ class Avx2Int8Head:
     def greedy(self, h: torch.Tensor) -> torch.Tensor:
         """The argmax per row of the head's logits in h's dtype, without the logits."""
         out = torch.empty(h.shape[0], dtype=torch.long)
-        if not self.kernels.avx2_int8_head_argmax(out, h.contiguous(), self.head.w8, self.head.w_scale):
+        if not self.kernels.avx2_int8_head_argmax(out, h.contiguous(), self.head.w8_gemv, self.head.w_scale):
             raise RuntimeError("avx2_int8_head_argmax refused a shape applies() accepted")
         return out

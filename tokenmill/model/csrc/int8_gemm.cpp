@@ -298,8 +298,12 @@ inline __m256i reduce8(const __m256i* a) {
                           _mm256_permute2x128_si256(h0123, h4567, 0x31));
 }
 
-// R x rows (int8, row stride K) against NB weight rows of w (row stride K), K % 32 == 0: per-lane int32 sums
-template <int R, int NB>
+// R x rows (int8, row stride K) against NB weight rows of w, K % 32 == 0: per-lane int32 sums. w points at row
+// i0 of a block of 8 rows: plain, row stride K; PACKED (avx2_int8_pack8's layout: per block of 8 rows, each
+// 32-byte k-chunk of rows 0..7 in turn), row i's chunk k at w + 8 k + 32 i: the block is read front to back, one
+// sequential stream (the plain layout's 8 streams of K bytes each start a new 4 KB page per block, where the
+// hardware prefetchers ramp up again: ~11-14 GB/s at 2 threads vs ~21-24 GB/s packed on the AVX2 machine)
+template <int R, int NB, bool PACKED = false>
 inline void dot_u8(const int8_t* q, int64_t K, const int8_t* w, __m256i (*acc_out)[8], int i0) {
   __m256i acc[R][NB];
   for (int r = 0; r < R; ++r)
@@ -308,8 +312,11 @@ inline void dot_u8(const int8_t* q, int64_t K, const int8_t* w, __m256i (*acc_ou
   for (int64_t k = 0; k < K; k += 32) {
     __m256i xv[R];
     for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * K + k));
+    if (PACKED && i0 == 0)  // ~1 KB ahead in the stream (past the block's end: the next block's bytes)
+      for (int l = 0; l < 256; l += 64) _mm_prefetch(reinterpret_cast<const char*>(w + 8 * k + 1024 + l), _MM_HINT_T0);
     for (int i = 0; i < NB; ++i) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i * K + k));
+      const __m256i wv = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(PACKED ? w + 8 * k + 32 * i : w + i * K + k));
       const __m256i aw = _mm256_abs_epi8(wv);
       for (int r = 0; r < R; ++r)
         acc[r][i] = _mm256_add_epi32(
@@ -321,20 +328,21 @@ inline void dot_u8(const int8_t* q, int64_t K, const int8_t* w, __m256i (*acc_ou
 }
 
 // sums[r] = the 8 int32 dot products of x row r with weight rows n0 .. n0+7 (w points at row n0), R <= 4
-template <int R>
+template <int R, bool PACKED>
 inline void dot8_u8(const int8_t* q, int64_t K, const int8_t* w, __m256i* sums) {
   __m256i acc[R][8];
   constexpr int NB = R == 1 ? 8 : R == 2 ? 4 : 2;  // R * NB accumulators: at most 8 of the 16 ymm registers
-  for (int i0 = 0; i0 < 8; i0 += NB) dot_u8<R, NB>(q, K, w + i0 * K, acc, i0);
+  for (int i0 = 0; i0 < 8; i0 += NB) dot_u8<R, NB, PACKED>(q, K, w + i0 * (PACKED ? 32 : K), acc, i0);
   for (int r = 0; r < R; ++r) sums[r] = reduce8(acc[r]);
 }
 
+template <bool PACKED>
 inline void dot8_u8_rows(int R, const int8_t* q, int64_t K, const int8_t* w, __m256i* sums) {
   switch (R) {
-    case 1: return dot8_u8<1>(q, K, w, sums);
-    case 2: return dot8_u8<2>(q, K, w, sums);
-    case 3: return dot8_u8<3>(q, K, w, sums);
-    default: return dot8_u8<4>(q, K, w, sums);
+    case 1: return dot8_u8<1, PACKED>(q, K, w, sums);
+    case 2: return dot8_u8<2, PACKED>(q, K, w, sums);
+    case 3: return dot8_u8<3, PACKED>(q, K, w, sums);
+    default: return dot8_u8<4, PACKED>(q, K, w, sums);
   }
 }
 
@@ -385,7 +393,7 @@ struct ArgmaxLanes {
 // out rows [M, N] (or, greedy, tokens [M]) = W8A8(x) through the vpmaddubsw kernel, one parallel region
 // greedy: each row's argmax of the values `out` would hold (torch.argmax's rules: the first index of the maximum,
 // or of the first NaN), without writing them
-template <typename T>
+template <typename T, bool PACKED = false>
 void gemv_u8(const T* xp, const int8_t* wp, const float* sw, const T* bp, T* op, int64_t* tokens, int64_t M,
              int64_t K, int64_t N) {
   alignas(32) int8_t q[8 * 8192];
@@ -399,12 +407,12 @@ void gemv_u8(const T* xp, const int8_t* wp, const float* sw, const T* bp, T* op,
     ArgmaxLanes am[8];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * 8;
-      if (b + 1 < b1)  // the next block's first lines, ahead of the prefetcher's ramp-up
+      if (!PACKED && b + 1 < b1)  // the next block's first lines, ahead of the prefetcher's ramp-up
         for (int i = 0; i < 8; ++i) _mm_prefetch(reinterpret_cast<const char*>(wp + (n0 + 8 + i) * K), _MM_HINT_T0);
       __m256i sums[8];
       for (int64_t m = 0; m < M; m += 4) {
         const int R = (int)std::min<int64_t>(4, M - m);
-        dot8_u8_rows(R, q + m * K, K, wp + n0 * K, sums + m);
+        dot8_u8_rows<PACKED>(R, q + m * K, K, wp + n0 * K, sums + m);  // a block: 8 K bytes in either layout
       }
       if (tokens) {
         for (int64_t m = 0; m < M; ++m) {
@@ -511,19 +519,51 @@ void avx2_int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor panels, to
 #endif
 }
 
-// The same W8A8 product for 1 <= M <= 8 rows from the plain int8 weight [N, K] (N % 8 == 0, K % 16 == 0,
-// K <= 8192); returns false (nothing written) where it does not apply
+// int8 W [N, K] (N % 8 == 0, K % 32 == 0) -> [N / 8, K / 32, 8, 32]: per block of 8 rows, the 32-byte k-chunks of
+// rows 0..7 in turn (w.view(N / 8, 8, K / 32, 32).permute(0, 2, 1, 3)), the order the vpmaddubsw GEMV reads them
+torch::Tensor avx2_int8_pack8(torch::Tensor w8) {
+  TORCH_CHECK(w8.dim() == 2 && w8.scalar_type() == at::kChar && w8.device().is_cpu() && w8.size(0) % 8 == 0 &&
+              w8.size(1) % 32 == 0, "avx2_int8_pack8: w8 must be an int8 [N, K] CPU tensor, N % 8 == 0, K % 32 == 0");
+  const int64_t N = w8.size(0), K = w8.size(1);
+  return w8.view({N / 8, 8, K / 32, 32}).permute({0, 2, 1, 3}).contiguous();
+}
+
+namespace {
+// w8 as the GEMV kernels take it: plain [N, K] or avx2_int8_pack8's [N / 8, K / 32, 8, 32]; its N (-1: neither)
+int64_t gemv_weight_rows(const torch::Tensor& w8, int64_t K, bool* packed) {
+  if (w8.scalar_type() != at::kChar || !w8.is_contiguous()) return -1;
+  *packed = w8.dim() == 4;
+  if (w8.dim() == 2 && w8.size(1) == K) return w8.size(0);
+  if (w8.dim() == 4 && w8.size(1) * 32 == K && w8.size(2) == 8 && w8.size(3) == 32) return w8.size(0) * 8;
+  return -1;
+}
+}  // namespace
+
+// The same W8A8 product for 1 <= M <= 8 rows from the int8 weight, plain [N, K] (N % 8 == 0, K % 16 == 0,
+// K <= 8192) or avx2_int8_pack8's layout (K % 32 == 0: the vpmaddubsw kernel reading one sequential stream);
+// returns false (nothing written) where it does not apply
 bool avx2_int8_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch::Tensor sw,
                     c10::optional<torch::Tensor> bias) {
 #ifdef TM_INT8_AVX2
-  const int64_t N = w8.size(0);
+  TORCH_CHECK(x.dim() == 2, "avx2_int8_gemv: x must be a 2-d tensor");
+  bool packed = false;
+  const int64_t N = gemv_weight_rows(w8, x.size(1), &packed);
+  TORCH_CHECK(N >= 0, "avx2_int8_gemv: w8 must be a contiguous int8 [N, K] or avx2_int8_pack8's [N/8, K/32, 8, 32]");
   check_common(out, x, sw, bias, N, "avx2_int8_gemv");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(w8.scalar_type() == at::kChar && w8.is_contiguous() && w8.dim() == 2 && w8.size(1) == K,
-              "avx2_int8_gemv: w8 must be a contiguous int8 [N, K]");
   if (M < 1 || M > 8 || N % 8 != 0 || K % 16 != 0 || K > 8192) return false;
   const float* swp = sw.data_ptr<float>();
   const int8_t* wp = w8.data_ptr<int8_t>();
+  if (packed) {  // always the vpmaddubsw kernel (the i16 one reads the plain layout: callers fall back to the GEMM)
+    if (!g_u8) return false;
+    if (x.scalar_type() == at::kFloat)
+      gemv_u8<float, true>(x.data_ptr<float>(), wp, swp, bias ? bias->data_ptr<float>() : nullptr,
+                           out.data_ptr<float>(), nullptr, M, K, N);
+    else
+      gemv_u8<at::BFloat16, true>(x.data_ptr<at::BFloat16>(), wp, swp, bias ? bias->data_ptr<at::BFloat16>() : nullptr,
+                                  out.data_ptr<at::BFloat16>(), nullptr, M, K, N);
+    return true;
+  }
   if (K % 32 == 0 && g_u8) {  // the vpmaddubsw kernel: the same bits
     if (x.scalar_type() == at::kFloat)
       gemv_u8<float>(x.data_ptr<float>(), wp, swp, bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>(),
@@ -552,20 +592,26 @@ bool avx2_int8_head_argmax(torch::Tensor tokens, torch::Tensor x, torch::Tensor 
 #ifdef TM_INT8_AVX2
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "avx2_int8_head_argmax: x must be a contiguous fp32 or bf16 [M, K]");
-  const int64_t M = x.size(0), K = x.size(1), N = w8.size(0);
-  TORCH_CHECK(w8.scalar_type() == at::kChar && w8.is_contiguous() && w8.dim() == 2 && w8.size(1) == K,
-              "avx2_int8_head_argmax: w8 must be a contiguous int8 [N, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  bool packed = false;
+  const int64_t N = gemv_weight_rows(w8, K, &packed);
+  TORCH_CHECK(N >= 0, "avx2_int8_head_argmax: w8 must be a contiguous int8 [N, K] or avx2_int8_pack8's layout");
   TORCH_CHECK(sw.scalar_type() == at::kFloat && sw.is_contiguous() && sw.numel() == N,
               "avx2_int8_head_argmax: weight scales must be fp32 [N]");
   TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous() && tokens.numel() == M,
               "avx2_int8_head_argmax: tokens must be int64 [M]");
   if (M < 1 || M > 8 || N % 8 != 0 || N < 8 || K % 32 != 0 || K > 8192) return false;
-  if (x.scalar_type() == at::kFloat)
-    gemv_u8<float>(x.data_ptr<float>(), w8.data_ptr<int8_t>(), sw.data_ptr<float>(), nullptr, nullptr,
-                   tokens.data_ptr<int64_t>(), M, K, N);
-  else
-    gemv_u8<at::BFloat16>(x.data_ptr<at::BFloat16>(), w8.data_ptr<int8_t>(), sw.data_ptr<float>(), nullptr, nullptr,
-                          tokens.data_ptr<int64_t>(), M, K, N);
+  auto run = [&](auto packed_tag) {
+    constexpr bool P = decltype(packed_tag)::value;
+    if (x.scalar_type() == at::kFloat)
+      gemv_u8<float, P>(x.data_ptr<float>(), w8.data_ptr<int8_t>(), sw.data_ptr<float>(), nullptr, nullptr,
+                        tokens.data_ptr<int64_t>(), M, K, N);
+    else
+      gemv_u8<at::BFloat16, P>(x.data_ptr<at::BFloat16>(), w8.data_ptr<int8_t>(), sw.data_ptr<float>(), nullptr,
+                               nullptr, tokens.data_ptr<int64_t>(), M, K, N);
+  };
+  if (packed) run(std::true_type{});
+  else run(std::false_type{});
   return true;
 #else
   (void)tokens; (void)x; (void)w8; (void)sw;
@@ -584,6 +630,8 @@ bool set_avx2_int8_u8(bool on) {
 void register_int8_gemm(pybind11::module& m) {
   m.def("has_avx2_int8", &has_avx2_int8, "whether the AVX2 exact int8 kernels are compiled in");
   m.def("avx2_int8_pack", &avx2_int8_pack, "int8 W [N, K] -> the int16 k-pair panels avx2_int8_gemm reads");
+  m.def("avx2_int8_pack8", &avx2_int8_pack8, "int8 W [N, K] -> [N/8, K/32, 8, 32], the layout the vpmaddubsw GEMV "
+        "reads as one sequential stream (avx2_int8_gemv / avx2_int8_head_argmax take either)");
   m.def("avx2_int8_gemm", &avx2_int8_gemm, "exact W8A8 y = q(x) W^T * sx * sw (+ b), any rows (AVX2 vpmaddwd)",
         py::arg("out"), py::arg("x"), py::arg("panels"), py::arg("sw"), py::arg("bias") = py::none());
   m.def("avx2_int8_gemv", &avx2_int8_gemv, "exact W8A8 for <= 8 rows, int8 weight streamed once (AVX2; False "
