@@ -2,8 +2,8 @@
 // any number of decode tokens beside them): the per-layer Python and dispatch of the module path (llama.py) gone,
 // the same kernels called in the same order, so the same bits (tests/model/test_fused_mixed.py).
 //
-// Per layer, as the modules do it: RMSNorm; qkv (small-row kernel for <= 8 rows, oneDNN's prepacked GEMM or the int8
-// GEMM above); q/k norm (qwen3); rope; KV write (fp32/bf16 or int8 cache); attention = prefill_attention over every
+// Per layer, as the modules do it: RMSNorm; qkv (any_linear, decoder_stack's: small-row kernel for <= 8 rows, oneDNN's
+// prepacked GEMM or the int8 GEMM above); q/k norm (qwen3); rope; KV write (fp32/bf16 or int8 cache); attention = prefill_attention over every
 // span in one call + paged_decode_attention for the decode tokens (gathered by index, scattered back, as
 // attention.py does); o_proj; residual + RMSNorm; gate_up; silu*mul; down; residual. Then the final norm.
 // The weight and cache lists are decoder_stack's (csrc/paged_decode.cpp, fused_decode.py builds them).
@@ -24,19 +24,9 @@ void write_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
               torch::Tensor slot_mapping);
 void write_kv_int8(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k_scales, torch::Tensor v_scales,
                    torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping);
-void linear_small(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
-void linear_small_int8(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch::Tensor sw,
-                       c10::optional<torch::Tensor> bias);
-void linear_small_vnni(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch::Tensor wsum, torch::Tensor sw,
-                       c10::optional<torch::Tensor> bias);
-void quantize_rows(torch::Tensor q, torch::Tensor scale, torch::Tensor x);
-void dequant_rows(torch::Tensor out, torch::Tensor acc, torch::Tensor sx, torch::Tensor sw,
-                  c10::optional<torch::Tensor> bias);
-// csrc/int8_gemm.cpp
-bool avx2_int8_gemv(torch::Tensor out, torch::Tensor x, torch::Tensor w8, torch::Tensor sw,
-                    c10::optional<torch::Tensor> bias);
-void avx2_int8_gemm(torch::Tensor out, torch::Tensor x, torch::Tensor panels, torch::Tensor sw,
-                    c10::optional<torch::Tensor> bias);
+// csrc/paged_decode.cpp: the Linear modules' kernel choice per row count (one implementation for both fused stacks)
+torch::Tensor any_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w, int64_t base, int64_t kind,
+                         int64_t n_out);
 // csrc/prefill_attention.cpp
 bool prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                        torch::Tensor v_cache, torch::Tensor q_starts, torch::Tensor q_lens, torch::Tensor ctx_lens,
@@ -48,56 +38,6 @@ namespace {
 constexpr int64_t LIN_SLOTS = 6;  // decoder_stack's layout (fused_decode.py LIN_SLOTS_PY, LAYER_SLOTS_PY)
 constexpr int64_t LAYER_SLOTS = 4 + 4 * LIN_SLOTS;
 
-inline c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
-  return t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
-}
-
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack st;
-  st.reserve(6);
-  st.emplace_back(x);
-  st.emplace_back(packed);
-  st.emplace_back(bias.numel() > 0 ? c10::IValue(bias) : c10::IValue());
-  st.emplace_back(std::string("none"));
-  st.emplace_back(c10::List<c10::optional<at::Scalar>>());
-  st.emplace_back(std::string(""));
-  op.callBoxed(&st);
-  return st[0].toTensor();
-}
-
-// the Linear modules' choice per row count (as decoder_stack's any_linear)
-torch::Tensor linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w, int64_t base, int64_t kind,
-                     int64_t n_out) {
-  const int64_t T = x.size(0);
-  const auto& bias = w[base + 3];
-  if (T <= 8) {
-    auto out = at::empty({T, n_out}, x.options());
-    if (kind == 0) linear_small(out, x, w[base], opt(bias));
-    else if (kind == 1) linear_small_vnni(out, x, w[base], w[base + 1], w[base + 2], opt(bias));
-    else if (kind == 3) {
-      if (!avx2_int8_gemv(out, x, w[base], w[base + 2], opt(bias)))
-        avx2_int8_gemm(out, x, w[base + 5], w[base + 2], opt(bias));
-    } else linear_small_int8(out, x, w[base], w[base + 2], opt(bias));
-    return out;
-  }
-  if (kind == 3) {  // AVX2 exact int8 (csrc/int8_gemm.cpp), what Int8LinearMethod calls without an int8 GEMM
-    auto out = at::empty({T, n_out}, x.options());
-    avx2_int8_gemm(out, x, w[base + 5], w[base + 2], opt(bias));
-    return out;
-  }
-  if (kind == 0) {
-    TORCH_CHECK(w[base + 4].numel() > 0, "decoder_stack_mixed: no packed weight for > 8 rows");
-    return onednn_linear(x, w[base + 4], bias);
-  }
-  TORCH_CHECK(w[base + 5].numel() > 0, "decoder_stack_mixed: no int8 GEMM weight for > 8 rows");
-  auto q = at::empty({T, x.size(1)}, x.options().dtype(at::kChar));
-  auto sx = at::empty({T}, x.options().dtype(at::kFloat));
-  quantize_rows(q, sx, x);
-  auto out = at::empty({T, n_out}, x.options());
-  dequant_rows(out, at::_int_mm(q, w[base + 5]), sx, w[base + 2], opt(bias));
-  return out;
-}
 
 }  // namespace
 
@@ -135,7 +75,7 @@ torch::Tensor decoder_stack_mixed(torch::Tensor x, torch::Tensor positions, torc
     const int64_t b = l * LAYER_SLOTS;
     const int64_t* kd = kinds.data() + l * 4;
     rms_norm(h, x, c10::nullopt, w[b], eps);
-    auto qkv = linear(h, w, b + 4, kd[0], qkv_n);
+    auto qkv = any_linear(h, w, b + 4, kd[0], qkv_n);
     auto q = qkv.narrow(1, 0, nh * hd).view({T, nh, hd});
     auto k = qkv.narrow(1, nh * hd, nkv * hd).view({T, nkv, hd});
     auto v = qkv.narrow(1, (nh + nkv) * hd, nkv * hd).view({T, nkv, hd});
@@ -166,11 +106,11 @@ torch::Tensor decoder_stack_mixed(torch::Tensor x, torch::Tensor positions, torc
       h = at::empty({R, H}, opts);
       act = at::empty({R, inter}, opts);
     }
-    auto a_out = linear(a_in, w, b + 4 + LIN_SLOTS, kd[1], H);
+    auto a_out = any_linear(a_in, w, b + 4 + LIN_SLOTS, kd[1], H);
     rms_norm(h, x, a_out, w[b + 1], eps);  // x += attention output, h = norm(x)
-    auto gu = linear(h, w, b + 4 + 2 * LIN_SLOTS, kd[2], 2 * inter);
+    auto gu = any_linear(h, w, b + 4 + 2 * LIN_SLOTS, kd[2], 2 * inter);
     silu_mul(act, gu);
-    x.add_(linear(act, w, b + 4 + 3 * LIN_SLOTS, kd[3], H));
+    x.add_(any_linear(act, w, b + 4 + 3 * LIN_SLOTS, kd[3], H));
   }
   auto out = at::empty({x.size(0), H}, opts);
   rms_norm(out, x, c10::nullopt, final_norm, eps);

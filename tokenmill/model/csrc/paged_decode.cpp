@@ -1450,8 +1450,9 @@ static torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& 
   return st[0].toTensor();
 }
 
-static torch::Tensor any_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w, int64_t base,
-                                int64_t kind, int64_t n_out) {
+// the Linear modules' kernel choice per row count; shared by both fused stacks (mixed_stack.cpp declares it)
+torch::Tensor any_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w, int64_t base, int64_t kind,
+                         int64_t n_out) {
   const int64_t T = x.size(0);
   const auto& bias = w[base + 3];
   if (T <= 8) {
