@@ -46,8 +46,18 @@ def heldout_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
     return out
 
 
-def edit_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+# --format of `edit`: (text before the code, the instruction line after it). "reformatted" is the original
+# workload; scripts/train_demo.py --edit-frac trains on similar markers (EDIT_MARKERS there), "before-after" is
+# an instruction that training never used, to show whether the target's copying generalizes.
+EDIT_FORMATS = {"reformatted": ("# Original:\n", "# The same code, reformatted:"),
+                "before-after": ("# Before:\n", "# After:")}
+
+
+def edit_prompts(tokenizer, n: int, length: int, fmt: str = "reformatted") -> list[list[int]]:
     """Code, then an instruction to write it again, then its first line: the continuation mostly repeats."""
+    if fmt not in EDIT_FORMATS:
+        raise ValueError(f"unknown edit format {fmt!r}; choose from {sorted(EDIT_FORMATS)}")
+    head, marker = EDIT_FORMATS[fmt]
     from tokenmill.model.tokenizer import stdlib_sources
 
     out = []
@@ -61,7 +71,7 @@ def edit_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
         code = tokenizer.decode(ids[:length])
         code = code[:code.rfind("\n") + 1]
         first = code.split("\n", 1)[0]
-        prompt = f"# Original:\n{code}\n# The same code, reformatted:\n{first}\n"
+        prompt = f"{head}{code}\n{marker}\n{first}\n"
         out.append(tokenizer.encode(prompt))
         if len(out) == n:
             break
@@ -93,13 +103,16 @@ def engines(configs: dict[str, dict], **common) -> dict[str, LLMEngine]:
     for name, kw in configs.items():
         kw = dict(kw)
         general = kw.pop("general_draft_path", False)  # the draft proposer without spec/draft_loop.py (A/B)
-        out[name] = e = LLMEngine(model="demo", **common, **kw)
+        if kw.get("speculative_model") == "demo-draft":
+            kw["speculative_model"] = DRAFT
+        out[name] = e = LLMEngine(model=MODEL, **common, **kw)
         if general:
             e.spec.proposer.loop = None
     return out
 
 
 NUM_THREADS: int | None = None  # --num-threads (torch's threads are per process: one value for every engine)
+MODEL, DRAFT = "demo", "demo-draft"  # --model / --draft: a candidate pair instead of the shipped one
 
 
 def bench_interleaved(title: str, configs: dict[str, dict], prompts: list[list[int]], max_tokens: int,
@@ -149,7 +162,7 @@ def bench_interleaved(title: str, configs: dict[str, dict], prompts: list[list[i
 
 
 def cmd_batch1(a) -> None:
-    e = LLMEngine(model="demo", kv_cache_bytes="64MiB")
+    e = LLMEngine(model=MODEL, kv_cache_bytes="64MiB")
     prompts = heldout_prompts(e.tokenizer, a.prompts, a.prompt_len)
     del e
     configs = {"off": {}}
@@ -165,18 +178,18 @@ def cmd_batch1(a) -> None:
 
 
 def cmd_edit(a) -> None:
-    e = LLMEngine(model="demo", kv_cache_bytes="64MiB")
-    prompts = edit_prompts(e.tokenizer, a.prompts, a.prompt_len)
+    e = LLMEngine(model=MODEL, kv_cache_bytes="64MiB")
+    prompts = edit_prompts(e.tokenizer, a.prompts, a.prompt_len, a.format)
     del e
     configs = {"off": {}, "ngram k=4": dict(speculative_model="ngram", num_speculative_tokens=4),
                "ngram k=8": dict(speculative_model="ngram", num_speculative_tokens=8),
                "ngram auto": dict(speculative_model="ngram", num_speculative_tokens="auto"),
                "demo-draft k=3": dict(speculative_model="demo-draft", num_speculative_tokens=3)}
-    bench_interleaved("Batch 1, edit workload (ngram)", configs, prompts, a.max_tokens, 1, a.repeats)
+    bench_interleaved(f"Batch 1, edit workload (ngram), format {a.format}", configs, prompts, a.max_tokens, 1, a.repeats)
 
 
 def cmd_sweep(a) -> None:
-    e = LLMEngine(model="demo", kv_cache_bytes="64MiB")
+    e = LLMEngine(model=MODEL, kv_cache_bytes="64MiB")
     base = heldout_prompts(e.tokenizer, 16, a.prompt_len)
     del e
     configs = {"off": {}, "demo-draft k=4": dict(speculative_model="demo-draft", num_speculative_tokens=4),
@@ -243,6 +256,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=160)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--format", choices=sorted(EDIT_FORMATS), default="reformatted",
+                   help="the instruction between the code and its copy (before-after: one training never used)")
     p.set_defaults(func=cmd_edit)
     p = sub.add_parser("sweep")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -255,9 +270,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.set_defaults(func=cmd_overhead)
     ap.add_argument("--num-threads", type=int, default=None, help="torch threads for every engine (default: torch's)")
+    ap.add_argument("--model", default="demo", help="target: a shipped name or an HF directory (default demo)")
+    ap.add_argument("--draft", default="demo-draft",
+                    help="what the 'demo-draft' rows draft with: a shipped name or an HF directory")
     a = ap.parse_args()
-    global NUM_THREADS
-    NUM_THREADS = a.num_threads
+    global NUM_THREADS, MODEL, DRAFT
+    NUM_THREADS, MODEL, DRAFT = a.num_threads, a.model, a.draft
     a.func(a)
 
 

@@ -72,6 +72,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--copy-frac", type=float, default=0.0,
                    help="joint phase: this share of each batch's windows repeat their own start (a block of code "
                         "that occurs twice), so the target learns to copy from its context")
+    p.add_argument("--induction-steps", type=int, default=0,
+                   help="before the joint phase: target-only steps on random token sequences shown twice, loss on "
+                        "the repeat only (the classic induction-head task): a model without induction heads cannot "
+                        "copy from its prompt at all, and natural-text edit data alone did not grow them")
+    p.add_argument("--induction-len", type=int, default=64, help="random tokens per --induction-steps row (x2)")
+    p.add_argument("--induction-rows", type=int, default=16, help="rows per --induction-steps step")
+    p.add_argument("--edit-frac", type=float, default=0.0,
+                   help="joint phase: this share of each batch's windows become an edit example: code from the "
+                        "window, a marker line (one of EDIT_MARKERS: 'the same code again', 'with X renamed to Y', "
+                        "..) and the same code again (renamed where the marker says so), then the file goes on; "
+                        "copying is learned conditioned on an explicit instruction, not from any repeat")
     p.add_argument("--gen-distill", action="store_true",
                    help="distillation on the target's own greedy continuations (what speculative acceptance measures): "
                         "each distillation row is --gen-prefix tokens of a training window + the frozen target's "
@@ -87,13 +98,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--segment-s", type=float, default=540.0, help="seconds of training per segment (with --checkpoint)")
     p.add_argument("--quick", action="store_true", help="smoke run: a few steps, tiny eval")
     args = p.parse_args(argv)
-    if not 0 <= args.copy_frac <= 1:
-        p.error("--copy-frac must be in [0, 1]")
+    if not 0 <= args.copy_frac <= 1 or not 0 <= args.edit_frac <= 1 or args.copy_frac + args.edit_frac > 1:
+        p.error("--copy-frac and --edit-frac must be in [0, 1], their sum <= 1")
+    if args.induction_steps < 0 or args.induction_len < 2 or args.induction_rows < 1:
+        p.error("--induction-steps must be >= 0, --induction-len >= 2, --induction-rows >= 1")
     if args.unlikelihood < 0 or args.ul_window < 1:
         p.error("--unlikelihood must be >= 0 and --ul-window >= 1")
     if args.seq_ul_steps < 0 or args.seq_ul_prefix < 1 or args.seq_ul_len < 4:
         p.error("--seq-ul-steps must be >= 0, --seq-ul-prefix >= 1, --seq-ul-len >= 4")
-    if args.gen_distill and (args.steps or args.seq_ul_steps or not args.init):
+    if args.gen_distill and (args.steps or args.seq_ul_steps or args.induction_steps or not args.init):
         p.error("--gen-distill needs --init and --steps 0 --seq-ul-steps 0 (the continuations are the --init target's)")
     if args.gen_prefix < 1 or args.gen_len < 1 or args.argmax_weight < 0:
         p.error("--gen-prefix and --gen-len must be >= 1, --argmax-weight >= 0")
@@ -335,6 +348,72 @@ def with_copies(batch: torch.Tensor, step: int, frac: float) -> torch.Tensor:
     return out
 
 
+# Edit-format training data (--edit-frac). The markers resemble benchmarks/spec_decode.py edit's default format
+# ("# Original:" ... "# The same code, reformatted:"); its --format before-after ("# Before:" / "# After:") is
+# deliberately NOT among them, so that number shows whether copying generalizes to an unseen instruction.
+EDIT_HEADS = ["", "# Original:\n", "# Code:\n", "# Original code:\n", "# Source:\n"]
+EDIT_MARKERS = ["# The same code, reformatted:", "# The same code again:", "# The same code, rewritten:",
+                "# Copy of the code above:", "# Repeated verbatim:", "# The code above, once more:",
+                "# Same as above:", "# Reformatted:"]
+RENAME_MARKER = "# The same code, with {old} renamed to {new}:"
+_KEYWORDS = set(__import__("keyword").kwlist) | {"self", "cls", "None", "True", "False"}
+
+
+class EditWindows:
+    """--edit-frac: turns a training window into "HEAD code SEP MARKER\n code' rest" (code: whole lines of the
+    window's first ~L tokens, L in 96..223; code' = code, or code with one identifier renamed when the marker
+    says so; rest: what followed the code in the file), re-tokenized and cut to the window's length. Windows
+    holding a file boundary (<|endoftext|>) in the code are left as they are. Deterministic in (step, row)."""
+
+    def __init__(self):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(str(SHIPPED_TOKENIZER_DIR / "tokenizer.json"))
+
+    def make(self, window: torch.Tensor, seed: int) -> torch.Tensor:
+        import random
+        import re
+
+        rng = random.Random(seed)
+        width = window.shape[0]
+        n = rng.randrange(96, 224)
+        ids = window.tolist()
+        if EOS_ID in ids[:n]:
+            return window
+        full = self.tok.decode(ids, skip_special_tokens=False)
+        head_text = self.tok.decode(ids[:n], skip_special_tokens=False)
+        s, e = head_text.find("\n") + 1, head_text.rfind("\n") + 1
+        if not full.startswith(head_text[:e]) or e - s < 40:
+            return window
+        code, rest = full[s:e], full[e:]
+        code2, marker = code, rng.choice(EDIT_MARKERS)
+        if rng.random() < 0.3:  # an edit, not a copy: one identifier renamed
+            names = [w for w in re.findall(r"\b[A-Za-z_][A-Za-z0-9_]{2,}\b", code) if w not in _KEYWORDS]
+            if names:
+                old = rng.choice(names)
+                new = rng.choice(["new_", "my_", "the_", ""]) + old + rng.choice(["", "2", "_x", "_new"])
+                if new == old:
+                    new = old + "_1"
+                code2 = re.sub(rf"\b{re.escape(old)}\b", new, code)
+                marker = RENAME_MARKER.format(old=old, new=new)
+        text = rng.choice(EDIT_HEADS) + code + rng.choice(["", "\n"]) + marker + "\n" + code2 + rest
+        out = self.tok.encode(text, add_special_tokens=False).ids[:width]
+        if len(out) < width:
+            return window
+        return torch.tensor(out, dtype=window.dtype)
+
+
+def with_edits(batch: torch.Tensor, step: int, frac: float, edits: "EditWindows | None") -> torch.Tensor:
+    """The last round(frac * B) windows become edit examples (EditWindows). [B, S+1] -> [B, S+1]"""
+    m = round(frac * batch.shape[0])
+    if m == 0 or edits is None:
+        return batch
+    out = batch.clone()
+    for i in range(batch.shape[0] - m, batch.shape[0]):
+        out[i] = edits.make(batch[i], step * 1009 + i)
+    return out
+
+
 def generated_rows(args, data: "Batches") -> torch.Tensor:
     """--gen-distill data: for distillation step j, the rows of batch(skip + j) cut to their first --gen-prefix
     tokens, each followed by the --init target's greedy continuation of --gen-len tokens as tokenmill serves it
@@ -397,7 +476,10 @@ def train(args, target, draft, data: Batches) -> dict:
     t0 = time.time()
     trained0 = log["train_s"]
 
-    seq_end = args.steps + args.seq_ul_steps  # global steps: joint, then sequence-level UL, then distillation
+    edits = EditWindows() if args.edit_frac else None
+    ind = args.induction_steps
+    # global steps: induction, joint, then sequence-level UL, then distillation
+    seq_end = ind + args.steps + args.seq_ul_steps
     last = seq_end + args.distill_steps
 
     def maybe_checkpoint(next_step: int) -> None:
@@ -409,8 +491,22 @@ def train(args, target, draft, data: Batches) -> dict:
                                "opts": [o.state_dict() for o in opt_t.opts + opt_d.opts]})
         raise SegmentDone(f"checkpoint {ckpt} at step {next_step}")
 
-    for step in range(start, args.steps):
+    log.setdefault("induction", [])
+    for step in range(start, ind):
+        # Olsson et al. 2022's induction task: [r, r] for random r, cross entropy on the second r only
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+        r = torch.randint(100, VOCAB, (args.induction_rows, args.induction_len), generator=g)
+        seq = torch.cat([r, r], dim=1)
+        logits = target(input_ids=seq[:, :-1], use_cache=False).logits[:, args.induction_len - 1 :]
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), seq[:, args.induction_len :].reshape(-1))
+        opt_t.step(loss, opt_t.peak)
+        if step % 20 == 0 or step == ind - 1:
+            print(f"induction {step:4d}/{ind} repeat ce {loss.item():.3f} elapsed {time.time() - t0:.0f}s", flush=True)
+            log["induction"].append({"step": step, "repeat_ce": round(loss.item(), 4)})
+        maybe_checkpoint(step + 1)
+    for step in range(max(0, start - ind), args.steps):
         batch = with_copies(data.batch(args.skip_batches + step), step, args.copy_frac)  # [B, S+1]
+        batch = with_edits(batch, step, args.edit_frac, edits)
         x, y = batch[:, :-1], batch[:, 1:].reshape(-1)
         t_logits = target(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)  # [B*S, V]
         t_loss = F.cross_entropy(t_logits, y)
@@ -425,7 +521,7 @@ def train(args, target, draft, data: Batches) -> dict:
         opt_d.step(d_loss, lr_at(step, args.steps, opt_d.peak, warmup))
         if step % 20 == 0 or step == args.steps - 1:
             el = time.time() - t0
-            eta = el / (step + 1 - start) * (args.steps - step - 1)
+            eta = el / (step + 1 - max(0, start - ind)) * (args.steps - step - 1)
             ul_s = f" ul {ul.item():.3f}" if args.unlikelihood else ""
             print(f"joint {step:4d}/{args.steps} target ce {t_loss.item():.3f}{ul_s} draft ce {d_ce.item():.3f} "
                   f"elapsed {el:.0f}s eta {eta:.0f}s", flush=True)
@@ -433,9 +529,9 @@ def train(args, target, draft, data: Batches) -> dict:
             if args.unlikelihood:
                 entry["target_ul"] = round(ul.item(), 4)
             log["joint"].append(entry)
-        maybe_checkpoint(step + 1)
+        maybe_checkpoint(ind + step + 1)
     log.setdefault("seq_ul", [])
-    for step in range(max(0, start - args.steps), args.seq_ul_steps):
+    for step in range(max(0, start - ind - args.steps), args.seq_ul_steps):
         # Welleck et al. 2019 sec. 5.2: alternate a sequence-level UL update on the model's own greedy
         # continuations with an MLE (+ token-level UL) update; constant LR, a quarter of the peak
         batch = data.batch(args.skip_batches + args.steps + step)  # [B, S+1]
@@ -453,7 +549,7 @@ def train(args, target, draft, data: Batches) -> dict:
                   f"target ce {t_loss.item():.3f} elapsed {time.time() - t0:.0f}s", flush=True)
             log["seq_ul"].append({"step": step, "repeat_share": round(rep, 4), "seq_ul": round(s_ul.item(), 4),
                                   "target_ce": round(t_loss.item(), 4)})
-        maybe_checkpoint(args.steps + step + 1)
+        maybe_checkpoint(ind + args.steps + step + 1)
     target.eval()
     peak = opt_d.peak * 0.5
     gen = generated_rows(args, data) if args.gen_distill else None
@@ -461,7 +557,7 @@ def train(args, target, draft, data: Batches) -> dict:
         if gen is not None:
             x = gen[step * args.batch_size : (step + 1) * args.batch_size, :-1]
         else:
-            x = data.batch(args.skip_batches + seq_end + step)[:, :-1]
+            x = data.batch(args.skip_batches + seq_end - ind + step)[:, :-1]
         with torch.no_grad():
             t_logits = target(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
         d_logits = draft(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
@@ -482,6 +578,7 @@ def checkpoint_args(args) -> dict:
     """The arguments a checkpoint must agree with to be resumed (not --segment-s, --out, --threads)."""
     keep = ("seed", "steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight", "init", "skip_batches",
             "unlikelihood", "ul_window", "seq_ul_steps", "seq_ul_prefix", "seq_ul_len", "copy_frac",
+            "edit_frac", "induction_steps", "induction_len", "induction_rows",
             "gen_distill", "gen_prefix", "gen_len", "argmax_weight")
     return {k: getattr(args, k) for k in keep}
 
@@ -596,12 +693,14 @@ def main(argv=None) -> int:
         "command": command,
         "seed": args.seed,
         "corpus": "Python stdlib .py files, tests excluded; every 10th file (sorted) held out",
-        "train_tokens_seen": (args.steps + args.seq_ul_steps + args.distill_steps) * args.batch_size * args.seq_len,
+        "train_tokens_seen": (args.steps + args.seq_ul_steps + args.distill_steps) * args.batch_size * args.seq_len
+        + args.induction_steps * args.induction_rows * args.induction_len * 2,
         "init": args.init,
         "train_windows": len(train_w),
         "hyperparameters": {k: getattr(args, k) for k in ("steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight",
                                                            "unlikelihood", "ul_window", "seq_ul_steps",
-                                                           "copy_frac", "gen_distill", "gen_prefix",
+                                                           "copy_frac", "edit_frac", "induction_steps", "induction_len",
+                                                           "induction_rows", "gen_distill", "gen_prefix",
                                                            "gen_len", "argmax_weight")},
         "heldout_eval": metrics,
         "train_log": log,

@@ -119,3 +119,38 @@ def test_greedy_continuations_are_not_degenerate_repetition():
     assert min(ratios.values()) >= MIN_DISTINCT_EACH, ratios
     s = json.loads((DEMO / "training_summary.json").read_text())
     assert s["greedy_distinct_4gram_mean"] >= MIN_DISTINCT_MEAN, s["greedy_distinct_4gram_mean"]
+
+
+def test_edit_windows_hold_the_code_twice_and_never_the_benchmarks_unseen_format():
+    """scripts/train_demo.py --edit-frac: an edit window is code, a marker, and the same code again (renamed where
+    the marker says so), cut to the window's length; benchmarks/spec_decode.py edit --format before-after uses an
+    instruction the training markers never contain (its acceptance is the generalization check)."""
+    import re
+
+    td = load_train_demo()
+    ed = td.EditWindows()
+    code = "".join(f"    def method_{i}(self, value):\n        return self.table[value] + {i}\n" for i in range(40))
+    window = torch.tensor(ed.tok.encode("x = 1\n" + code, add_special_tokens=False).ids[:513])
+    seen_rename = seen_copy = False
+    for seed in range(40):
+        out = ed.make(window, seed)
+        assert out.shape == window.shape and out.dtype == window.dtype
+        text = ed.tok.decode(out.tolist(), skip_special_tokens=False)
+        markers = [m for m in td.EDIT_MARKERS if m in text]
+        renamed = re.search(r"# The same code, with (\w+) renamed to (\w+):\n", text)
+        assert len(markers) + bool(renamed) == 1, text[:400]
+        before, after = re.split(r"(?:" + "|".join(map(re.escape, td.EDIT_MARKERS)) + r"|# The same code, with \w+ "
+                                 r"renamed to \w+:)\n", text)
+        first = before[before.index("    def"):]  # the code block: whole lines after the window's first one
+        if renamed:
+            seen_rename = True
+            first = re.sub(rf"\b{renamed.group(1)}\b", renamed.group(2), first.rstrip("\n") + "\n")
+        else:
+            seen_copy = True
+        assert after.startswith(first.rstrip("\n")), (first[:200], after[:200])
+    assert seen_rename and seen_copy
+    spec = importlib.util.spec_from_file_location("spec_decode", REPO / "benchmarks" / "spec_decode.py")
+    sd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sd)
+    head, marker = sd.EDIT_FORMATS["before-after"]
+    assert not any(marker in m or head.strip() in m for m in td.EDIT_MARKERS + td.EDIT_HEADS + [td.RENAME_MARKER])
