@@ -112,3 +112,26 @@ def test_kernel_builds_are_keyed_by_source_text_not_checkout_path(tmp_path):
     srcs_c = cpu_kernels._content_addressed_sources(b, out)
     assert srcs_c[0].parent != srcs_a[0].parent
     assert (srcs_c[0].parent / cpu_kernels.HEADERS[0]).read_bytes() == header.read_bytes()
+
+
+def test_a_build_that_takes_long_is_announced_and_a_fast_load_is_not(tmp_path, monkeypatch, caplog):
+    """A first use that compiles (minutes) says so on the log; loading an existing build says nothing."""
+    import logging
+    import time
+
+    import torch.utils.cpp_extension as ext
+
+    from tokenmill.model import cpu_kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "BUILD_NOTICE_S", 0.05)
+    for delay, announced in ((0.5, True), (0.0, False)):
+        monkeypatch.setattr(ext, "load", lambda *a, _d=delay, **k: time.sleep(_d) or "module")
+        monkeypatch.setitem(cpu_kernels._state, "mod", None)
+        del cpu_kernels._state["mod"]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.log.name):
+            assert cpu_kernels.get_kernels() == "module"
+            time.sleep(0.1)  # a timer that was not cancelled would fire here
+        said = any("compiling tokenmill's CPU kernels" in r.getMessage() for r in caplog.records)
+        assert said is announced, (delay, [r.getMessage() for r in caplog.records])

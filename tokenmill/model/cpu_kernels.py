@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -72,6 +73,9 @@ def _content_addressed_sources(csrc: Path | None = None, root: Path | None = Non
     return [folder / f for f in SOURCES]
 
 
+BUILD_NOTICE_S = 3.0  # a load still running after this long is a compile: say so (a built module loads in < 1 s)
+
+
 def get_kernels():
     """The compiled module, or None when unavailable (no compiler, disabled, build error)."""
     if "mod" in _state:
@@ -94,13 +98,21 @@ def get_kernels():
         bindir = str(Path(sys.executable).parent)
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        log.info("loading the CPU attention kernel (compiled once per machine, ~1 minute the first time)")
-
         suffix, isa = _isa_flags()
         srcs = _content_addressed_sources()
         name = f"tokenmill_cpu_kernels_{srcs[0].parent.name}{suffix}"
-        _state["mod"] = load(name=name, sources=[str(s) for s in srcs], extra_cflags=["-O3", "-fopenmp", *isa],
-                             extra_ldflags=["-fopenmp"], verbose=False)
+        # a build that exists loads in well under a second; when it has to compile (first use of these sources
+        # on this machine), say so instead of sitting silent for minutes
+        notice = threading.Timer(BUILD_NOTICE_S, log.warning, ("compiling tokenmill's CPU kernels for this machine (%s): once "
+                                                    "per source version, 1-5 minutes on 2 cores; "
+                                                    "TOKENMILL_CPU_KERNELS=0 skips them", suffix.lstrip("_")))
+        notice.daemon = True
+        notice.start()
+        try:
+            _state["mod"] = load(name=name, sources=[str(s) for s in srcs], extra_cflags=["-O3", "-fopenmp", *isa],
+                                 extra_ldflags=["-fopenmp"], verbose=False)
+        finally:
+            notice.cancel()
     except Exception as e:  # noqa: BLE001 - any build problem means: use the PyTorch path
         log.warning("CPU kernels unavailable (%s: %s); using the PyTorch attention path", type(e).__name__, e)
     return _state["mod"]
