@@ -20,53 +20,21 @@
 static const int64_t K = 512, N = 78*1024, BYTES = N*K;  // ~40 MB
 static const int NSETS = 8;
 static inline int32_t hsum(__m256i v){ alignas(32) int32_t t[8]; _mm256_store_si256((__m256i*)t,v); int32_t s=0; for(int i=0;i<8;i++) s+=t[i]; return s;}
-// (a) row-major [N][K]: 8 rows in parallel, each stride K
-int64_t kern_rows(const int8_t* w, const int8_t* q, int32_t* out) {
+// PACKED: [N/8][K/32][8][32], one sequential stream, PF = software prefetch distance in bytes (0 = none);
+// else row-major [N][K], 8 rows in parallel (each stride K), PF > 0: prefetch the rows of the block PF blocks ahead
+template<bool PACKED, int PF>
+int64_t kern(const int8_t* w, const int8_t* q, int32_t* out) {
   const __m256i ones = _mm256_set1_epi16(1);
   #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < N/8; ++b) {
     const int8_t* wb = w + b*8*K;
     __m256i acc[8]; for (int i=0;i<8;i++) acc[i]=_mm256_setzero_si256();
     for (int64_t k = 0; k < K; k += 32) {
+      if (PACKED && PF) for (int l=0;l<256;l+=64) _mm_prefetch((const char*)(wb + k*8 + PF + l), _MM_HINT_T0);
+      if (!PACKED && PF && (k & 63) == 0) for (int i=0;i<8;i++) _mm_prefetch((const char*)(wb + PF*8*K + i*K + k), _MM_HINT_T0);
       __m256i xv = _mm256_loadu_si256((const __m256i*)(q+k));
-      for (int i=0;i<8;i++){ __m256i wv=_mm256_loadu_si256((const __m256i*)(wb+i*K+k)); __m256i aw=_mm256_abs_epi8(wv);
-        acc[i]=_mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw,_mm256_sign_epi8(xv,wv)),ones)); }
-    }
-    for (int i=0;i<8;i++) out[b*8+i]=hsum(acc[i]);
-  }
-  return 0;
-}
-// (b) packed [N/8][K/32][8][32]: sequential; PF = software prefetch distance in bytes (0 = none)
-template<int PF>
-int64_t kern_packed(const int8_t* w, const int8_t* q, int32_t* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < N/8; ++b) {
-    const int8_t* wb = w + b*8*K;
-    __m256i acc[8]; for (int i=0;i<8;i++) acc[i]=_mm256_setzero_si256();
-    for (int64_t k = 0; k < K; k += 32) {
-      const int8_t* p = wb + k*8;
-      if (PF) { for (int l=0;l<256;l+=64) _mm_prefetch((const char*)(p+PF+l), _MM_HINT_T0); }
-      __m256i xv = _mm256_loadu_si256((const __m256i*)(q+k));
-      for (int i=0;i<8;i++){ __m256i wv=_mm256_loadu_si256((const __m256i*)(p+i*32)); __m256i aw=_mm256_abs_epi8(wv);
-        acc[i]=_mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw,_mm256_sign_epi8(xv,wv)),ones)); }
-    }
-    for (int i=0;i<8;i++) out[b*8+i]=hsum(acc[i]);
-  }
-  return 0;
-}
-// (a') row-major with prefetch of the next block's 8 rows
-template<int PFB>
-int64_t kern_rows_pf(const int8_t* w, const int8_t* q, int32_t* out) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < N/8; ++b) {
-    const int8_t* wb = w + b*8*K;
-    __m256i acc[8]; for (int i=0;i<8;i++) acc[i]=_mm256_setzero_si256();
-    for (int64_t k = 0; k < K; k += 32) {
-      if ((k & 63) == 0) for (int i=0;i<8;i++) _mm_prefetch((const char*)(wb + PFB*8*K + i*K + k), _MM_HINT_T0);
-      __m256i xv = _mm256_loadu_si256((const __m256i*)(q+k));
-      for (int i=0;i<8;i++){ __m256i wv=_mm256_loadu_si256((const __m256i*)(wb+i*K+k)); __m256i aw=_mm256_abs_epi8(wv);
+      for (int i=0;i<8;i++){
+        __m256i wv=_mm256_loadu_si256((const __m256i*)(PACKED ? wb + k*8 + i*32 : wb + i*K + k)); __m256i aw=_mm256_abs_epi8(wv);
         acc[i]=_mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw,_mm256_sign_epi8(xv,wv)),ones)); }
     }
     for (int i=0;i<8;i++) out[b*8+i]=hsum(acc[i]);
@@ -96,7 +64,7 @@ int main() {
   alignas(32) int8_t q[K]; for (int i=0;i<K;i++) q[i]=(int8_t)(i%100-50);
   std::vector<int32_t> out(N);
   const char* names[] = {"read-only", "rows (current)", "rows + pf next block", "packed", "packed pf 512", "packed pf 1024", "packed pf 2048", "packed pf 4096"};
-  K_t ks[] = {kern_read, kern_rows, kern_rows_pf<1>, kern_packed<0>, kern_packed<512>, kern_packed<1024>, kern_packed<2048>, kern_packed<4096>};
+  K_t ks[] = {kern_read, kern<false, 0>, kern<false, 1>, kern<true, 0>, kern<true, 512>, kern<true, 1024>, kern<true, 2048>, kern<true, 4096>};
   for (int rep=0; rep<3; rep++)
   for (int j=0;j<8;j++){
     double best=1e9; int si=0;
