@@ -1,7 +1,7 @@
 // Weight layout vs DRAM streaming rate of the AVX2 int8 GEMV's inner loop (1 row, vpmaddubsw), outside tokenmill:
 // 40 MB of int8 "weights" (K = 512), 8 sets rotated so every pass reads from DRAM (beyond a 32 MiB L3), 2 threads.
 //   read-only            a plain sequential read (the bandwidth probe)
-//   rows (current)       the plain [N, K] layout, 8 rows per pass (what avx2_int8_gemv read before session 12)
+//   rows (plain [N, K])  the plain [N, K] layout, 8 rows per pass (what avx2_int8_gemv read before session 12)
 //   rows + pf            the same with a software prefetch of the next block's rows
 //   packed [pf D]        [N/8, K/32, 8, 32] (avx2_int8_pack8): one sequential stream, optional prefetch D bytes ahead
 // Build and run (session 12):
@@ -63,7 +63,7 @@ int main() {
   for (int s=0;s<NSETS;s++){ int8_t* p=(int8_t*)aligned_alloc(4096, BYTES); for (int64_t i=0;i<BYTES;i++) p[i]=(int8_t)(i*7+s); sets.push_back(p);}
   alignas(32) int8_t q[K]; for (int i=0;i<K;i++) q[i]=(int8_t)(i%100-50);
   std::vector<int32_t> out(N);
-  const char* names[] = {"read-only", "rows (current)", "rows + pf next block", "packed", "packed pf 512", "packed pf 1024", "packed pf 2048", "packed pf 4096"};
+  const char* names[] = {"read-only", "rows (plain [N, K])", "rows + pf next block", "packed", "packed pf 512", "packed pf 1024", "packed pf 2048", "packed pf 4096"};
   K_t ks[] = {kern_read, kern<false, 0>, kern<false, 1>, kern<true, 0>, kern<true, 512>, kern<true, 1024>, kern<true, 2048>, kern<true, 4096>};
   for (int rep=0; rep<3; rep++)
   for (int j=0;j<8;j++){
