@@ -24,7 +24,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.linalg import _umath_linalg
+try:  # numpy's private gufunc module: absent in some release, `coef` takes np.linalg.solve alone (the same values)
+    from numpy.linalg import _umath_linalg
+except ImportError:  # pragma: no cover - depends on the numpy release
+    _umath_linalg = None
 
 _SOLVE1 = getattr(_umath_linalg, "solve1", None)  # the gufunc np.linalg.solve(a, b) calls for a 1-d b
 

@@ -103,9 +103,9 @@ def get_kernels():
         name = f"tokenmill_cpu_kernels_{srcs[0].parent.name}{suffix}"
         # a build that exists loads in well under a second; when it has to compile (first use of these sources
         # on this machine), say so instead of sitting silent for minutes
-        notice = threading.Timer(BUILD_NOTICE_S, log.warning, ("compiling tokenmill's CPU kernels for this machine (%s): once "
-                                                    "per source version, 1-5 minutes on 2 cores; "
-                                                    "TOKENMILL_CPU_KERNELS=0 skips them", suffix.lstrip("_")))
+        what = ("compiling tokenmill's CPU kernels for this machine (%s): once per source version, 1-5 minutes on "
+                "2 cores; TOKENMILL_CPU_KERNELS=0 skips them")
+        notice = threading.Timer(BUILD_NOTICE_S, log.warning, (what, suffix.lstrip("_")))
         notice.daemon = True
         notice.start()
         try:

@@ -73,7 +73,8 @@ class Int8PackedHead:
 
     @classmethod
     def build(cls, head) -> "Int8PackedHead | Avx2Int8Head | None":
-        """`head`: an Int8LinearMethod Linear (w8 [V, K], w8_sum, w_scale), without bias, with native int8."""
+        """`head`: an Int8LinearMethod Linear (w8 [V, K], w8_sum, w_scale) without bias: this kernel with native int8,
+        `Avx2Int8Head` on a CPU without int8 dot products."""
         from tokenmill.model.cpu_kernels import kernels_for
 
         if not enabled_by_env() or not hasattr(head, "w8") or head.bias is not None:
