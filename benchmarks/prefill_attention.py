@@ -36,7 +36,7 @@ def build(lens, cached, nh, kvh, hd, dtype, kv_dtype, bs=16):
         q0 += n
     if prev:
         kp, vp = (torch.randn(len(prev), kvh, hd, generator=g).to(dtype) for _ in range(2))
-        w = attention.write_kv_int8 if kv_dtype == torch.int8 else attention.write_kv
+        w = attention.write_kv_scaled if kv_dtype == torch.int8 else attention.write_kv
         w(cache, kp, vp, torch.tensor(prev))
     q = torch.randn(q0, nh, hd, generator=g).to(dtype)
     k, v = (torch.randn(q0, kvh, hd, generator=g).to(dtype) for _ in range(2))

@@ -57,7 +57,17 @@ class Capabilities:
 
     @property
     def cuda_fp8(self) -> bool:
+        """fp8 (e4m3/e5m2) tensor cores: Ada (sm89) and Hopper (sm90) on; what `torch._scaled_mm` needs."""
         return self.cuda_capability is not None and self.cuda_capability >= (8, 9)
+
+    @property
+    def cuda_fp4(self) -> bool:
+        """fp4 (nvfp4/mxfp4) tensor cores: Blackwell (sm100) on."""
+        return self.cuda_capability is not None and self.cuda_capability >= (10, 0)
+
+    def cuda_precisions(self) -> list[str]:
+        """The low precisions this CUDA device has tensor cores for, e.g. ['bf16', 'fp8'] on an H100/H200."""
+        return [name for name, ok in (("bf16", self.cuda_bf16), ("fp8", self.cuda_fp8), ("fp4", self.cuda_fp4)) if ok]
 
     def summary(self) -> str:
         """One line: 'AMD EPYC 9B14: avx2 fma avx512f avx512_bf16 avx512_vnni (bf16 native, int8 native)'."""
@@ -66,14 +76,16 @@ class Capabilities:
                 f"(bf16 {'native' if self.native_bf16 else 'emulated'}, "
                 f"int8 {'native' if self.native_int8 else 'emulated'}{cap})")
         if self.cuda_name:
-            line += f"; CUDA {self.cuda_name} sm{self.cuda_capability[0]}{self.cuda_capability[1]}"
+            line += (f"; CUDA {self.cuda_name} sm{self.cuda_capability[0]}{self.cuda_capability[1]} "
+                     f"({' '.join(self.cuda_precisions()) or 'fp16 only'} native)")
         return line
 
     def to_json(self) -> dict:
         return {"cpu_model": self.cpu_model, "cpu_flags": list(self.cpu_flags),
                 "onednn_max_isa": self.onednn_max_isa, "native_bf16": self.native_bf16,
                 "native_int8": self.native_int8, "cuda_name": self.cuda_name,
-                "cuda_capability": list(self.cuda_capability) if self.cuda_capability else None}
+                "cuda_capability": list(self.cuda_capability) if self.cuda_capability else None,
+                "cuda_bf16": self.cuda_bf16, "cuda_fp8": self.cuda_fp8, "cuda_fp4": self.cuda_fp4}
 
 
 def parse_cpuinfo(text: str) -> tuple[str, tuple[str, ...]]:

@@ -42,7 +42,7 @@ def _step(dtype, kv_dtype, nh, kvh, hd, seqs, window=None, n_decode=0, seed=0, b
     v_prev = torch.randn(len(slots_prev), kvh, hd, generator=g).to(dtype)
     if slots_prev:
         if kv_dtype == torch.int8:
-            attention.write_kv_int8(cache, k_prev, v_prev, torch.tensor(slots_prev))
+            attention.write_kv_scaled(cache, k_prev, v_prev, torch.tensor(slots_prev))
         else:
             attention.write_kv(cache, k_prev.to(kv_dtype), v_prev.to(kv_dtype), torch.tensor(slots_prev))
     # this step: every sequence's new tokens, then n_decode single-token sequences

@@ -360,14 +360,14 @@ def test_int8_kv_write_keeps_values_within_its_scale(hd):
     0.5 * (1 + growths of its block's scale) steps of the block's final scale (each requantization rounds once
     more; a block has at most bs - 1 growths), about 0.3 steps on average, whatever the write pattern; no
     value saturates (a fixed first-write scale would clip the outlier by ~1000 steps)."""
-    from tokenmill.model.attention import Int8KVCache, write_kv_int8
+    from tokenmill.model.attention import Int8KVCache, write_kv_scaled
 
     c = INT8_KV_CASE
     tables = torch.tensor(c["tables"])
     cache = Int8KVCache.empty(c["nb"], c["kvh"], c["bs"], hd, "cpu")
     cache.scales.fill_(1e3)  # stale scales of evicted blocks must not leak into fresh ones
     g = torch.Generator().manual_seed(hd)
-    written = _int8_fill(cache, write_kv_int8, g, c["lens"], tables, c["bs"], chunks=[20, 3])
+    written = _int8_fill(cache, write_kv_scaled, g, c["lens"], tables, c["bs"], chunks=[20, 3])
     for d, (k, v) in enumerate(written):
         n = len(k)
         for i, x in ((0, k), (1, v)):
@@ -386,12 +386,12 @@ def test_int8_kv_write_keeps_values_within_its_scale(hd):
 @needs_kernels
 @pytest.mark.parametrize("hd", [64, 24])
 def test_int8_kv_write_kernel_matches_the_pytorch_scheme(hd):
-    from tokenmill.model.attention import Int8KVCache, write_kv_int8
+    from tokenmill.model.attention import Int8KVCache, write_kv_scaled
 
     c = INT8_KV_CASE
     tables = torch.tensor(c["tables"])
     caches = []
-    for write in (write_kv_int8, _kernel_write):
+    for write in (write_kv_scaled, _kernel_write):
         cache = Int8KVCache.empty(c["nb"], c["kvh"], c["bs"], hd, "cpu")
         cache.scales.fill_(1e3)
         for dtype in (torch.float32, torch.bfloat16):  # the same inputs, written twice (bf16 K/V overwrite fp32)

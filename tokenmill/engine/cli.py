@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from tokenmill.engine.config import KV_CACHE_DTYPES
+
 
 def add_engine_args(p, default_model: str = "demo") -> None:
     """Engine options shared by `generate` and `serve`."""
@@ -12,11 +14,13 @@ def add_engine_args(p, default_model: str = "demo") -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bf16 on CPUs with native bf16 dot products (avx512_bf16/AMX), else fp32")
-    p.add_argument("--quantization", default="none", choices=["none", "int8"],
-                   help="int8: W8A8 (weights per output channel at load, activations per token, int8 GEMM)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
-                   help="KV cache storage type (auto: the model's dtype; bfloat16 halves KV bytes; int8 quarters "
-                        "them: one scale per block and KV head)")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "fp8"],
+                   help="int8: W8A8 (weights per output channel at load, activations per token, int8 GEMM); "
+                        "fp8: the same with e4m3 values through torch._scaled_mm (native on CUDA sm89+, emulated "
+                        "and far slower on CPUs)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage type (auto: the model's dtype; bfloat16 halves KV bytes; int8 and fp8 "
+                        "(= fp8_e4m3) quarter fp32's: one scale per block and KV head)")
     p.add_argument("--kv-cache-bytes", default="1GiB", help="KV cache size, e.g. 512MiB, 4GiB (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")

@@ -22,13 +22,28 @@ def parse_bytes(v: str | int) -> int:
     return int(float(s))
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3 (vLLM's two names)
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: "torch.dtype") -> "torch.dtype":
+    """--kv-cache-dtype -> the KV cache's storage dtype (auto: the model's)."""
+    import torch
+
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    return getattr(torch, kv_cache_dtype)
+
+
 @dataclass
 class EngineConfig:
     model: str = "demo"  # a shipped model name (demo, demo-draft) or an HF-format directory
     dtype: str = "auto"  # auto: bf16 on CPUs with native bf16 (avx512_bf16/AMX) else fp32; CUDA: fp16 ckpt -> fp16, else bf16 (sm80+)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    quantization: str = "none"  # none | int8 (W8A8 dynamic: weights per channel at load, activations per token)
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | int8 (per-(block, head) scales)
+    quantization: str = "none"  # none | int8 | fp8 (W8A8 dynamic: weights per channel at load, activations per token)
+    # auto (the model's dtype) | float32 | bfloat16 | int8 | fp8 (= fp8_e4m3; int8 and fp8: per-(block, head) scales)
+    kv_cache_dtype: str = "auto"
     kv_cache_bytes: int = 1 * GiB  # KV capacity in bytes (all layers, K and V)
     block_size: int = 16  # tokens per KV block
     max_num_batched_tokens: int = 2048  # per-step token budget (prefill chunks + decodes)
@@ -67,9 +82,9 @@ class EngineConfig:
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
             (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype must be auto|float32|bfloat16|float16"),
-            (self.quantization in ("none", "int8"), f"unknown quantization {self.quantization!r} (none|int8)"),
-            (self.kv_cache_dtype in ("auto", "float32", "bfloat16", "int8"),
-             f"unknown kv_cache_dtype {self.kv_cache_dtype!r} (auto|float32|bfloat16|int8)"),
+            (self.quantization in ("none", "int8", "fp8"), f"unknown quantization {self.quantization!r} (none|int8|fp8)"),
+            (self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"unknown kv_cache_dtype {self.kv_cache_dtype!r} ({'|'.join(KV_CACHE_DTYPES)})"),
             (self.kv_host_bytes >= 0 and self.kv_disk_bytes >= 0, "kv_host_bytes and kv_disk_bytes must be >= 0"),
             (self.kv_host_dir is None or self.kv_host_bytes > 0, "kv_host_dir (--kv-host-dir) is set but kv_host_bytes (--kv-host-bytes) is 0"),
             (self.kv_disk_dir is None or self.kv_disk_bytes > 0, "kv_disk_dir (--kv-disk-dir) is set but kv_disk_bytes (--kv-disk-bytes) is 0"),

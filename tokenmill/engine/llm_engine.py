@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from tokenmill.engine.config import EngineConfig
+from tokenmill.engine.config import EngineConfig, kv_storage_dtype
 from tokenmill.engine.kv.kv_manager import KVCacheManager
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.outputs import EngineStats, RequestOutput
@@ -44,7 +44,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_path)
         self.device = pick_device(c.device)
         self.dtype = pick_dtype(c.dtype, cfg, self.device)
-        self.kv_dtype = self.dtype if c.kv_cache_dtype == "auto" else getattr(torch, c.kv_cache_dtype)
+        self.kv_dtype = kv_storage_dtype(c.kv_cache_dtype, self.dtype)
         block_bytes = ModelRunner.kv_bytes_per_block(cfg, c.block_size, self.kv_dtype)
         if c.spec_enabled and c.speculative_model != "ngram":  # a draft model's KV shares the blocks
             from tokenmill.engine.spec.proposers import draft_model_config
@@ -408,7 +408,8 @@ class LLMEngine:
         if self.model_config.quantization:
             return " with int8 weights (W8A8, pre-quantized checkpoint)"
         q = self.config.quantization
-        return "" if q == "none" else f" with {q} weights (W8A8)"
+        emulated = q == "fp8" and self.device.type != "cuda"  # no fp8 instructions on CPUs: _scaled_mm converts
+        return "" if q == "none" else f" with {q} weights (W8A8{', emulated' if emulated else ''})"
 
     def _spec_note(self) -> str:
         c = self.config

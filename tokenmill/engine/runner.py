@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.model.attention import AttentionMetadata, Int8KVCache, SeqSpan
+from tokenmill.model.attention import SCALED_KV_CACHES, AttentionMetadata, ScaledKVCache, SeqSpan
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.linear import PackedWeight, small_row_bits
 from tokenmill.model.llama import LlamaModel
@@ -41,6 +41,13 @@ def _zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         _advise_huge_pages(t)
     return t.zero_()  # touched after the advice, so the pages come in huge
+
+
+def _index_copy(t: torch.Tensor, dim: int, idx: torch.Tensor, src: torch.Tensor) -> None:
+    """t.index_copy_(dim, idx, src), also for fp8 tensors (no index_copy kernel on the CPU: their bytes are copied)."""
+    if t.dtype == torch.float8_e4m3fn:
+        t, src = t.view(torch.uint8), src.view(torch.uint8)
+    t.index_copy_(dim, idx, src)
 
 
 def _advise_huge_pages(t: torch.Tensor) -> None:
@@ -87,9 +94,12 @@ class ModelRunner:
         self.decode_fast_path = fast_path_by_env()
         self._aranges: dict[int, torch.Tensor] = {}
         shape = (2, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
-        if self.kv_dtype == torch.int8:  # int8 data + one fp32 scale per (block, kv head) for K and V
-            self.kv_caches = [Int8KVCache.empty(num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, device,
-                                                zeros=_zeros) for _ in range(cfg.num_hidden_layers)]
+        scaled = SCALED_KV_CACHES.get(self.kv_dtype)
+        if scaled is not None:  # int8 / fp8 data + one fp32 scale per (block, kv head) for K and V
+            self.kv_caches = [scaled.empty(num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim, device,
+                                           zeros=_zeros) for _ in range(cfg.num_hidden_layers)]
+            if self.kv_dtype != torch.int8:  # the fused C++ stacks read fp32 / bf16 / int8 caches: the modules run
+                model.fused = model.fused_mixed = None
         else:
             self.kv_caches = [_zeros(shape, self.kv_dtype, device) for _ in range(cfg.num_hidden_layers)]
         if device.type == "cpu":
@@ -100,9 +110,9 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """All layers, K and V; int8 adds its fp32 scales (one per (block, kv head), K and V)."""
+        """All layers, K and V; int8 and fp8 add their fp32 scales (one per (block, kv head), K and V)."""
         per_block = cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
-        if dtype == torch.int8:
+        if dtype in SCALED_KV_CACHES:
             per_block += 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * 4
         return per_block
 
@@ -114,10 +124,10 @@ class ModelRunner:
     def kv_block_tensors(self) -> list[torch.Tensor]:
         """Every tensor that holds KV state, each indexed by block id in dim 1: block b's full contents are
         `[t[:, b] for t in kv_block_tensors()]`. Per layer: the cache [2, NB, kvh, bs, hd] (K, V), and with an
-        int8 cache also its scales [2, NB, kvh] fp32."""
+        int8 or fp8 cache also its scales [2, NB, kvh] fp32."""
         out = []
         for c in self.kv_caches:
-            out.extend((c.data, c.scales) if isinstance(c, Int8KVCache) else (c,))
+            out.extend((c.data, c.scales) if isinstance(c, ScaledKVCache) else (c,))
         return out
 
     def read_kv_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
@@ -132,7 +142,7 @@ class ModelRunner:
             raise ValueError(f"expected {len(tensors)} tensors (kv_block_tensors()), got {len(contents)}")
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         for t, c in zip(tensors, contents):
-            t.index_copy_(1, idx, c.to(device=t.device, dtype=t.dtype))
+            _index_copy(t, 1, idx, c.to(device=t.device, dtype=t.dtype))
 
     # -- moving whole blocks (KV tiers, transfer) -------------------------------------------------
     def _block_dims(self) -> list[tuple[torch.Tensor, int]]:
@@ -170,7 +180,7 @@ class ModelRunner:
             per = t.element_size() * t.numel() // t.shape[d]
             shape = (n,) + tuple(t.shape[:d]) + tuple(t.shape[d + 1:])
             src = data[:, off:off + per].contiguous().view(t.dtype).reshape(shape).movedim(0, d)
-            t.index_copy_(d, idx, src)
+            _index_copy(t, d, idx, src)
             off += per
 
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:

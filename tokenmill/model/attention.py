@@ -13,7 +13,9 @@ Sequences with q_len == 1 are attended together in one padded batch; others one 
 with no cached context uses the causal fast path without gathering from the cache).
 
 `--kv-cache-dtype int8` stores the cache as an `Int8KVCache` (int8 data in the same layout + one fp32 scale per
-(block, kv head) for K and for V); see its docstring for the scheme.
+(block, kv head) for K and for V); see its docstring for the scheme. `--kv-cache-dtype fp8` is the same scheme
+with e4m3 values (`Fp8KVCache`): written and read by the PyTorch code here (the CPU kernels take fp32, bf16 and
+int8 caches; on CUDA every path is this one).
 """
 
 from __future__ import annotations
@@ -48,7 +50,45 @@ class AttentionMetadata:
     logits_rows: torch.Tensor | None = None
 
 
-class Int8KVCache:
+class ScaledKVCache:
+    """One layer's KV cache in a 1-byte type with one fp32 scale per (block, kv head), K and V apart: the scheme of
+    `Int8KVCache` (below); `Fp8KVCache` stores e4m3 values instead of int8 (qmax 448 instead of 127, rounding by
+    the cast). Subclasses set `dtype`, `qmax` and `quantize`."""
+
+    dtype: torch.dtype
+    qmax: float
+
+    def __init__(self, data: torch.Tensor, scales: torch.Tensor):
+        self.data, self.scales = data, scales
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @staticmethod
+    def quantize(x: torch.Tensor) -> torch.Tensor:
+        """fp32 values already divided by their scale (|x| <= qmax) -> the storage type."""
+        raise NotImplementedError
+
+    def raw(self) -> torch.Tensor:
+        """`data` as int8 bits (itself for int8): index reads and writes go through it (PyTorch has no index_put /
+        index_copy kernels for fp8 on every device)."""
+        return self.data if self.data.dtype == torch.int8 else self.data.view(torch.int8)
+
+    def stored(self, bits: torch.Tensor) -> torch.Tensor:
+        """int8 bits read from `raw()` -> the storage type's values."""
+        return bits if self.dtype == torch.int8 else bits.view(self.dtype)
+
+    @classmethod
+    def empty(cls, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, device, zeros=None):
+        """Zeroed data and scales; `zeros(shape, dtype, device)` allocates the data (the runner passes its
+        huge-page allocator), torch.zeros by default."""
+        shape = (2, num_blocks, kv_heads, block_size, head_dim)
+        data = zeros(shape, cls.dtype, device) if zeros else torch.zeros(shape, dtype=cls.dtype, device=device)
+        return cls(data, torch.zeros(2, num_blocks, kv_heads, dtype=torch.float32, device=device))
+
+
+class Int8KVCache(ScaledKVCache):
     """One layer's int8 KV cache: `data` [2, num_blocks, kv_heads, block_size, head_dim] int8 (the float layout)
     and `scales` [2, num_blocks, kv_heads] fp32: value = data * scale, one scale per (block, kv head), K and V
     apart. Both are indexed by block id in dim 1, so a block's full contents are `data[:, b]` + `scales[:, b]`.
@@ -67,21 +107,27 @@ class Int8KVCache:
     """
 
     dtype = torch.int8
-
-    def __init__(self, data: torch.Tensor, scales: torch.Tensor):
-        self.data, self.scales = data, scales
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
+    qmax = 127.0
 
     @staticmethod
-    def empty(num_blocks: int, kv_heads: int, block_size: int, head_dim: int, device, zeros=None) -> "Int8KVCache":
-        """Zeroed data and scales; `zeros(shape, dtype, device)` allocates the data (the runner passes its
-        huge-page allocator), torch.zeros by default."""
-        shape = (2, num_blocks, kv_heads, block_size, head_dim)
-        data = zeros(shape, torch.int8, device) if zeros else torch.zeros(shape, dtype=torch.int8, device=device)
-        return Int8KVCache(data, torch.zeros(2, num_blocks, kv_heads, dtype=torch.float32, device=device))
+    def quantize(x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x).clamp_(-127, 127).to(torch.int8)
+
+
+class Fp8KVCache(ScaledKVCache):
+    """`Int8KVCache`'s scheme with e4m3 values (`--kv-cache-dtype fp8`): scale = max|x| / 448 per (block, kv
+    head), growing as the block fills; values cast to e4m3 (round to nearest even: 3 mantissa bits, a relative
+    error <= 1/16 at any magnitude where int8's is absolute). The same bytes as int8."""
+
+    dtype = torch.float8_e4m3fn
+    qmax = 448.0
+
+    @staticmethod
+    def quantize(x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+SCALED_KV_CACHES = {torch.int8: Int8KVCache, torch.float8_e4m3fn: Fp8KVCache}  # KV storage dtype -> its cache
 
 
 def _cpu_kernels(q: torch.Tensor, cache):
@@ -92,8 +138,11 @@ def _cpu_kernels(q: torch.Tensor, cache):
     return None
 
 
-def write_kv_int8(cache: Int8KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """The scheme of `Int8KVCache` in PyTorch (the fallback and the tests' reference for the C++ `write_kv_int8`)."""
+def write_kv_scaled(cache: ScaledKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The scheme of `Int8KVCache` in PyTorch, for either storage type (int8: the fallback and the tests'
+    reference for the C++ `write_kv_int8`; fp8: the only implementation)."""
+    qmax = cache.qmax
+    raw, stored = cache.raw(), cache.stored  # indexing on byte views: fp8 has no index kernels everywhere
     bs = cache.data.shape[3]
     blk, off = slot_mapping // bs, slot_mapping % bs
     ublk, inv = torch.unique(blk, return_inverse=True)
@@ -105,23 +154,24 @@ def write_kv_int8(cache: Int8KVCache, k: torch.Tensor, v: torch.Tensor, slot_map
         amax = torch.zeros(len(ublk), x.shape[1], device=x.device).scatter_reduce_(
             0, inv[:, None].expand(-1, x.shape[1]), xf.abs().amax(-1), "amax")  # [U, kvh]
         old = cache.scales[i][ublk]
-        s = torch.where(fresh, amax / 127, torch.maximum(old, amax / 127))
+        s = torch.where(fresh, amax / qmax, torch.maximum(old, amax / qmax))
         grow = ~fresh & (s > old)
         if grow.any():
-            d = cache.data[i][ublk].float()  # [U, kvh, bs, hd]
+            d = stored(raw[i][ublk]).float()  # [U, kvh, bs, hd]
             ratio = torch.where(s > 0, old / s, torch.zeros_like(s))
             sel = (grow[:, :, None] & valid_rows[:, None, :])[..., None]
-            cache.data[i][ublk] = torch.where(sel, torch.round(d * ratio[..., None, None]), d).to(torch.int8)
+            # unselected rows hold stored values: quantizing them again gives the same bits (int8 and e4m3)
+            raw[i][ublk] = cache.quantize(torch.where(sel, d * ratio[..., None, None], d)).view(raw.dtype)
         cache.scales[i][ublk] = s
         st = s[inv]  # [T, kvh]
         inv_s = torch.where(st > 0, 1 / st, torch.zeros_like(st))
-        cache.data[i][blk, :, off] = torch.round(xf * inv_s[..., None]).clamp_(-127, 127).to(torch.int8)
+        raw[i][blk, :, off] = cache.quantize(xf * inv_s[..., None]).view(raw.dtype)
 
 
 def _gather(cache, i: int, block_table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """K (i=0) or V (i=1) of the blocks in `block_table`, in `dtype`: [..., kvh, MB * bs, hd] (a copy)."""
-    if isinstance(cache, Int8KVCache):
-        g = gather_kv(cache.data[i], block_table)
+    if isinstance(cache, ScaledKVCache):
+        g = cache.stored(gather_kv(cache.raw()[i], block_table))
         s = cache.scales[i][block_table].transpose(-1, -2)  # [..., kvh, MB]
         s = s.repeat_interleave(cache.data.shape[3], dim=-1)  # [..., kvh, MB * bs]
         return (g.float() * s[..., None]).to(dtype)
@@ -171,17 +221,16 @@ def _prefill_args(spans: list[SeqSpan]) -> tuple:
     return lens[0], lens[1], lens[2], bt
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "torch.Tensor | Int8KVCache",
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "torch.Tensor | ScaledKVCache",
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, nh, hd]; k, v: [T, kvh, hd] (this step's new tokens). Returns [T, nh, hd]."""
     kernels = _cpu_kernels(q, cache)
-    quant = isinstance(cache, Int8KVCache)
-    if quant:
+    if isinstance(cache, ScaledKVCache):
         kc, vc, k_sc, v_sc = cache.data[0], cache.data[1], cache.scales[0], cache.scales[1]
-        if kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
+        if kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1:  # (int8 only: _cpu_kernels)
             kernels.write_kv_int8(kc, vc, k_sc, v_sc, k, v, meta.slot_mapping)
         else:
-            write_kv_int8(cache, k, v, meta.slot_mapping)
+            write_kv_scaled(cache, k, v, meta.slot_mapping)
     else:
         kc, vc, k_sc, v_sc = cache[0], cache[1], None, None
         if kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1:

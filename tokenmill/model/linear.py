@@ -260,9 +260,60 @@ class CheckpointInt8LinearMethod(Int8LinearMethod):
         self._use_int8(layer, layer.weight.detach(), scale.contiguous())
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] float -> (e4m3 values [M, K], fp32 scales [M, 1]) with x ~= q * s per row: s = max|x_row| / 448
+    (an all-zero row gets s = 1), q = x / s cast to e4m3 (round to nearest even; |x / s| <= 448, nothing clips)."""
+    xf = x.float()
+    s = xf.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return (xf / s).clamp_(-FP8_MAX, FP8_MAX).to(FP8), s
+
+
+class Fp8LinearMethod(UnquantizedLinearMethod):
+    """FP8 W8A8 dynamic (`--quantization fp8`), the float twin of `Int8LinearMethod`: weights cast to e4m3 at load
+    time with one fp32 scale per output channel (max|w_n| / 448), activations per token at run time, and the
+    product through `torch._scaled_mm` with both row-wise scales applied in its epilogue (fp32 accumulation; on
+    CUDA sm89+ the fp8 tensor cores: nothing is dequantized on the hot path). On a CPU (or a GPU below sm89)
+    there are no fp8 instructions: PyTorch's CPU `_scaled_mm` converts both operands to fp32 first, the
+    dequant tax (~60x slower than fp32 at batch 1 on an AVX2 EPYC: docs/benchmarks.md); the engine says so at
+    start-up and refuses it on CUDA below sm89, where `_scaled_mm` has no kernel. The lm_head and embeddings stay
+    in the model dtype (not measured safe in fp8)."""
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        w = layer.weight.detach()
+        n, k = w.shape
+        if w.device.type == "cuda" and (n % 16 or k % 16):
+            raise ModelLoadError(f"--quantization fp8: a [{n}, {k}] projection; torch._scaled_mm on CUDA needs both "
+                                 "dimensions divisible by 16")
+        q, s = fp8_quantize_rows(w)
+        layer.w_fp8 = q  # [N, K] row-major: its .t() is the column-major [K, N] operand _scaled_mm wants
+        layer.w_scale = s.reshape(1, n).contiguous()  # [1, N] fp32
+        layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)  # freed
+        layer.packed = None
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        lead, k_in = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k_in)
+        n = layer.out_features
+        if x2.shape[0] == 0:
+            return x.new_empty(*lead, n)
+        q, sx = fp8_quantize_rows(x2)
+        # CUDA's row-wise _scaled_mm writes bf16 only; the CPU one writes the activation dtype directly
+        out_dtype = torch.bfloat16 if x.device.type == "cuda" else x.dtype
+        y = torch._scaled_mm(q, layer.w_fp8.t(), scale_a=sx, scale_b=layer.w_scale, out_dtype=out_dtype)
+        if layer.bias is not None:
+            y = y + layer.bias.to(y.dtype)
+        return y.to(x.dtype).view(*lead, n)
+
+
 LINEAR_METHODS: dict[str, Callable[[], LinearMethod]] = {"none": UnquantizedLinearMethod, "int8": Int8LinearMethod,
+                                                         "fp8": Fp8LinearMethod,
                                                          "compressed-tensors-w8a8": CheckpointInt8LinearMethod}
-QUANTIZATIONS = ("none", "int8")  # what --quantization offers; checkpoint formats come from config.json
+QUANTIZATIONS = ("none", "int8", "fp8")  # what --quantization offers; checkpoint formats come from config.json
 
 
 class Linear(nn.Module):

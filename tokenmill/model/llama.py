@@ -147,7 +147,8 @@ class LlamaModel(nn.Module):
         total = nbytes(self.embed_tokens.weight[0])
         for mod in self.modules():  # an int8 tied_head is a submodule (nn.Module attributes register as such)
             if isinstance(mod, Linear):
-                w = (mod.w8, mod.w_scale) if hasattr(mod, "w8") else (mod.weight,)
+                w = ((mod.w8, mod.w_scale) if hasattr(mod, "w8") else (mod.w_fp8, mod.w_scale) if hasattr(mod, "w_fp8")
+                     else (mod.weight,))
                 total += nbytes(*w, mod.bias)
             elif isinstance(mod, RMSNorm):
                 total += nbytes(mod.weight)

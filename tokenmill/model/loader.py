@@ -181,6 +181,31 @@ def pick_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtyp
     return torch.bfloat16 if caps.cuda_bf16 else torch.float16
 
 
+def check_fp8(device: torch.device) -> None:
+    """`--quantization fp8` runs where torch._scaled_mm does: natively on CUDA sm89+ (refused below, with the
+    device named), emulated on a CPU (allowed, with a warning: it converts to fp32 per call, the dequant tax)."""
+    if device.type == "cuda":
+        cap = tuple(torch.cuda.get_device_capability(device))
+        if cap < (8, 9):
+            raise ModelLoadError(f"--quantization fp8 needs fp8 tensor cores (CUDA sm89+: Ada, Hopper, Blackwell); "
+                                 f"{torch.cuda.get_device_name(device)} is sm{cap[0]}{cap[1]} (use int8 or none)")
+        from tokenmill.model.linear import FP8, Fp8LinearMethod  # noqa: F401 - the probe below is its call
+
+        a = torch.zeros(16, 32, device=device).to(FP8)
+        b = torch.zeros(16, 32, device=device).to(FP8)
+        ones = torch.ones(16, 1, device=device)
+        try:
+            torch._scaled_mm(a, b.t(), scale_a=ones, scale_b=ones.t().contiguous(), out_dtype=torch.bfloat16)
+        except RuntimeError as e:
+            raise ModelLoadError(f"--quantization fp8: torch._scaled_mm with per-row scales does not run on "
+                                 f"{torch.cuda.get_device_name(device)} with this PyTorch ({e})") from None
+        return
+    from tokenmill.hardware import capabilities
+
+    log.warning("--quantization fp8 on a CPU (%s): no fp8 instructions, torch._scaled_mm converts to fp32 per "
+                "call: expect it far slower than float32 or int8", capabilities().summary())
+
+
 def load_model(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                max_positions: int, quantization: str = "none") -> LlamaModel:
     if cfg.quantization is not None:  # a pre-quantized checkpoint: its own int8 weights, whatever was asked
@@ -188,6 +213,8 @@ def load_model(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.
             raise ModelLoadError(f"quantization={quantization!r} cannot apply to a checkpoint already quantized "
                                  f"({cfg.quantization})")
         quantization = cfg.quantization
+    if quantization == "fp8":
+        check_fp8(device)
     with torch.device("cpu"):
         model = LlamaModel(cfg, dtype, max_positions, quantization)
     load_weights(model, path, device)

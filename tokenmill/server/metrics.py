@@ -208,9 +208,10 @@ class _EngineCollector:
         # tokenmill's own series
         hw = capabilities()
         yield gauge("tokenmill_hardware_info", "What this machine computes natively (the precision --dtype auto picks).",
-                    1, ["cpu_model", "cpu_flags", "native_bf16", "native_int8", "cuda"],
+                    1, ["cpu_model", "cpu_flags", "native_bf16", "native_int8", "cuda", "cuda_native"],
                     [hw.cpu_model, " ".join(hw.cpu_flags), str(hw.native_bf16).lower(), str(hw.native_int8).lower(),
-                     f"{hw.cuda_name} sm{hw.cuda_capability[0]}{hw.cuda_capability[1]}" if hw.cuda_name else ""])
+                     f"{hw.cuda_name} sm{hw.cuda_capability[0]}{hw.cuda_capability[1]}" if hw.cuda_name else "",
+                     " ".join(hw.cuda_precisions())])
         mlab, mval = ["model_name"], [self.m.model_name]
         yield gauge("tokenmill_requests_running", "Requests in the engine's running batch.", s.num_running, mlab, mval)
         yield gauge("tokenmill_requests_waiting", "Requests in the engine's waiting queue.", s.num_waiting, mlab, mval)
