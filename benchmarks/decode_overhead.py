@@ -7,7 +7,7 @@ For each tokenmill config (DTYPE[+int8][@KV] as in offline_throughput.py) one en
 `--rounds` times, alternating the runner's decode fast path on and off (`ModelRunner.decode_fast_path`, see
 runner.py; TOKENMILL_DECODE_FAST_PATH=0 turns it off for a whole process). Every part of a step is wrapped with a
 wall clock (~0.3 us per wrapper: small beside the parts) and printed as ms per decode step (mean over the best
-round's steps), from the outside in:
+round's decode steps: a one-token round's time, the prompts' prefill, is subtracted), from the outside in:
 
 - generate loop: `LLM.generate` minus `engine.step` (its per-output bookkeeping);
 - output processor: detokenization and stop strings (`OutputProcessor.process_step`);
@@ -77,7 +77,7 @@ class TimedStack:
             self._spent["fused stack"] += time.perf_counter() - t
 
 
-def run_round(llm, prompts, tokens, timers):
+def _timed_generate(llm, prompts, tokens, timers):
     from tokenmill import SamplingParams
 
     timers.spent.clear()
@@ -85,8 +85,17 @@ def run_round(llm, prompts, tokens, timers):
     t = time.perf_counter()
     res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     wall = time.perf_counter() - t
-    steps = llm.engine.num_steps - steps0
-    s = dict(timers.spent)
+    return wall, llm.engine.num_steps - steps0, dict(timers.spent), [r.outputs[0].token_ids for r in res]
+
+
+def run_round(llm, prompts, tokens, timers):
+    """The decode steps alone: a round of `tokens` tokens minus a round of one token (the prompts' prefill step,
+    which reads the same weights but runs a GEMM over the prompt, and their first token). Returns (wall, decode
+    steps, parts: seconds over those steps, tokens)."""
+    w1, n1, s1, _ = _timed_generate(llm, prompts, 1, timers)
+    wall, steps, s, toks = _timed_generate(llm, prompts, tokens, timers)
+    wall, steps = wall - w1, steps - n1
+    s = {k: v - s1.get(k, 0.0) for k, v in s.items()}
     parts = {
         "generate loop": wall - s["step"],
         "output processor": s["output processor"],
@@ -98,7 +107,7 @@ def run_round(llm, prompts, tokens, timers):
         "postprocess": s["postprocess"],
     }
     parts["step rest"] = s["step"] - sum(v for k, v in parts.items() if k != "generate loop")
-    return wall, steps, parts, [r.outputs[0].token_ids for r in res]
+    return wall, steps, parts, toks
 
 
 def kernels_alone(llm, b, reps=200):
@@ -191,13 +200,13 @@ def main():
                 eng.runner.decode_fast_path = True
             same = len({str(t) for t in toks.values()}) == 1
             for path, (wall, steps, parts, _) in best.items():
-                rows.append((name, b, path, 1000 * wall / args.tokens, {k: 1000 * v / steps for k, v in parts.items()},
+                rows.append((name, b, path, 1000 * wall / steps, {k: 1000 * v / steps for k, v in parts.items()},
                              same))
             ka = kernels_alone(llm, b)
             if ka is not None:
                 kernel_rows.append((name, b, ka, model.decode_read_bytes, measure_read_bandwidth(model.decode_read_bytes)))
         del llm
-    print("| config | batch | path | ms per step (generate wall / tokens) | " + " | ".join(PARTS) +
+    print("| config | batch | path | ms per decode step (prefill round subtracted) | " + " | ".join(PARTS) +
           " | same tokens |")
     print("|---|---|---|---|" + "---|" * len(PARTS) + "---|")
     for name, b, path, ms, parts, same in rows:
