@@ -108,7 +108,8 @@ G = "config_groups.group_0"
 @pytest.mark.parametrize("path, value, match", [
     ("quant_method", "awq", "quant_method='awq'"),
     ("quant_method", "fp8", "quant_method='fp8'"),
-    ("format", "float-quantized", "format='float-quantized'"),
+    ("format", "float-quantized", "weights.type='int'"),  # fp8's format with int8's value types
+    (f"{G}.format", "float-quantized", "group_0.format='float-quantized'"),
     ("format", "pack-quantized", "format='pack-quantized'"),
     ("quantization_status", "frozen", "quantization_status='frozen'"),
     ("kv_cache_scheme", {"num_bits": 8, "type": "float", "strategy": "tensor"}, "kv_cache_scheme="),
@@ -133,6 +134,7 @@ G = "config_groups.group_0"
     (f"{G}.weights.zp_dtype", "int8", "weights.zp_dtype='int8'"),
 ])
 def test_every_other_quantization_config_is_refused_by_key_and_value(path, value, match):
+    """(also for the fp8 format: FP8 below)"""
     from tests.model.test_hf_config import base
 
     with pytest.raises(ModelLoadError, match=match):
@@ -165,3 +167,78 @@ def test_two_config_groups_and_bad_tensors_are_refused(model_dir, tmp_path):
         shutil.copytree(src, plain)
         shutil.copy(tmp_path / "x.safetensors", next(plain.glob("*.safetensors")))
         Scorer(plain, torch.float32)
+
+
+FP8 = {**copy.deepcopy(W8A8), "format": "float-quantized"}
+for _k in ("weights", "input_activations"):
+    FP8["config_groups"]["group_0"][_k]["type"] = "float"
+
+
+def write_fp8(src, dst):
+    """llm-compressor's FP8_DYNAMIC layout, by hand: each projection's weight as float8_e4m3fn [N, K] (symmetric, per
+    output channel, scale = max|w_n| / 448) plus its weight_scale [N, 1]."""
+    shutil.copytree(src, dst)
+    (f,) = list(dst.glob("*.safetensors"))
+    out = {}
+    for name, t in load_file(str(f)).items():
+        if name.endswith(".weight") and name.split(".")[-2] in PROJ:
+            w = t.float()
+            scale = w.abs().amax(dim=1, keepdim=True) / 448.0
+            out[name] = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            out[name[:-len("weight")] + "weight_scale"] = scale.to(torch.bfloat16).float()  # as stored in bf16
+        else:
+            out[name] = t
+    save_file(out, str(f))
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = FP8
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])
+def test_fp8_checkpoint_loads_fp8_and_runs_as_its_dequantized_weights(model_dir, tmp_path, preset):
+    """The fp8 checkpoint's own values and scales are used (not re-quantized): its logits equal those of a float
+    model holding exactly w_fp8 * scale, under `--quantization fp8` (whose load-time quantization of such a weight
+    gives back the same e4m3 values: each row's max is 448 x its scale)."""
+    from tokenmill import LLM, SamplingParams
+
+    src = model_dir(preset)
+    dst = write_fp8(src, tmp_path / "fp8")
+    assert ModelConfig.from_dir(dst).quantization == "compressed-tensors-w8a8-fp8"
+    pre = Scorer(dst, torch.float32)
+    lin = pre.runner.model.layers[0].self_attn.qkv_proj
+    ckpt = load_file(str(next(dst.glob("*.safetensors"))))
+    assert lin.weight.numel() == 0 and lin.w_fp8.dtype == torch.float8_e4m3fn
+    assert torch.equal(lin.w_fp8[:lin.shard_range("k")[0]].view(torch.uint8),
+                       ckpt["model.layers.0.self_attn.q_proj.weight"].view(torch.uint8))
+    # the reference: the float model with the checkpoint's dequantized weights, quantized again at load time
+    deq = tmp_path / "deq"
+    shutil.copytree(src, deq)
+    (f,) = list(deq.glob("*.safetensors"))
+    save_file({k: (ckpt[k].float() * ckpt[k[:-len("weight")] + "weight_scale"]) if k[:-len("weight")] + "weight_scale"
+               in ckpt else v for k, v in load_file(str(f)).items()}, str(f))
+    ref = Scorer(deq, torch.float32, quantization="fp8")
+    plain = Scorer(src, torch.float32)
+    ids = torch.randint(1, 4096, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    a, b, c = make_req("a", ids), make_req("b", ids), make_req("c", ids)
+    got = torch.cat([pre.run([(a, 30)])[0], *[pre.run([(a, 1)])[0] for _ in range(5)]])
+    want = torch.cat([ref.run([(b, 30)])[0], *[ref.run([(b, 1)])[0] for _ in range(5)]])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    fp = torch.cat([plain.run([(c, 30)])[0], *[plain.run([(c, 1)])[0] for _ in range(5)]])
+    assert (got - fp).abs().max() > 1e-4  # and it really is the quantized model
+    llm = LLM(str(dst), kv_cache_bytes="8MiB")
+    assert "with fp8 weights (W8A8, pre-quantized checkpoint)" in llm.engine.describe()
+    out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ModelLoadError, match="quantization='int8' cannot apply to a checkpoint already quantized"):
+        Scorer(dst, torch.float32, quantization="int8")
+
+
+def test_fp8_checkpoint_with_an_int8_tensor_is_refused(model_dir, tmp_path):
+    dst = write_fp8(model_dir("tiny"), tmp_path / "fp8")
+    f = next(dst.glob("*.safetensors"))
+    t = load_file(str(f))
+    name = "model.layers.0.mlp.down_proj.weight"
+    save_file({**t, name: t[name].float().clamp(-127, 127).to(torch.int8)}, str(f))
+    with pytest.raises(ModelLoadError, match=f"{name} is torch.int8, expected torch.float8_e4m3fn"):
+        Scorer(dst, torch.float32)

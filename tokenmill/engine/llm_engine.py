@@ -406,7 +406,8 @@ class LLMEngine:
 
     def _weights_note(self) -> str:
         if self.model_config.quantization:
-            return " with int8 weights (W8A8, pre-quantized checkpoint)"
+            kind = "fp8" if self.model_config.quantization.endswith("-fp8") else "int8"
+            return f" with {kind} weights (W8A8, pre-quantized checkpoint)"
         q = self.config.quantization
         emulated = q == "fp8" and self.device.type != "cuda"  # no fp8 instructions on CPUs: _scaled_mm converts
         return "" if q == "none" else f" with {q} weights (W8A8{', emulated' if emulated else ''})"

@@ -310,9 +310,35 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
         return y.to(x.dtype).view(*lead, n)
 
 
+class CheckpointFp8LinearMethod(Fp8LinearMethod):
+    """A pre-quantized fp8 W8A8 checkpoint (compressed-tensors float-quantized, see quant_config.py): the checkpoint's
+    float8_e4m3fn `weight` [N, K] and per-channel `weight_scale` load straight into the fp8 storage (nothing is
+    re-quantized); run time is `Fp8LinearMethod`'s."""
+
+    def create_weights(self, layer: "Linear", dtype: torch.dtype) -> None:
+        super().create_weights(layer, dtype)  # the bias (if any) in the model dtype
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features, dtype=FP8), requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.empty(layer.out_features, dtype=torch.float32), requires_grad=False)
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        scale = layer.weight_scale.detach()
+        if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
+            raise ModelLoadError("checkpoint weight_scale holds a non-positive or non-finite scale")
+        w = layer.weight.detach()
+        n, k = w.shape
+        if w.device.type == "cuda" and (n % 16 or k % 16):
+            raise ModelLoadError(f"fp8 checkpoint: a [{n}, {k}] projection; torch._scaled_mm on CUDA needs both "
+                                 "dimensions divisible by 16")
+        layer.w_fp8 = w.contiguous()
+        layer.w_scale = scale.reshape(1, n).contiguous()
+        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.float32, device=w.device), requires_grad=False)
+        layer.packed = None
+
+
 LINEAR_METHODS: dict[str, Callable[[], LinearMethod]] = {"none": UnquantizedLinearMethod, "int8": Int8LinearMethod,
                                                          "fp8": Fp8LinearMethod,
-                                                         "compressed-tensors-w8a8": CheckpointInt8LinearMethod}
+                                                         "compressed-tensors-w8a8": CheckpointInt8LinearMethod,
+                                                         "compressed-tensors-w8a8-fp8": CheckpointFp8LinearMethod}
 QUANTIZATIONS = ("none", "int8", "fp8")  # what --quantization offers; checkpoint formats come from config.json
 
 
@@ -350,7 +376,8 @@ class Linear(nn.Module):
         param = getattr(self, kind, None)
         if param is None:
             raise ModelLoadError(f"unexpected tensor {name}: this layer has no {kind}")
-        if (param.dtype == torch.int8) != (tensor.dtype == torch.int8):
+        quantized = (torch.int8, FP8)  # stored values, not floats to convert: the checkpoint's type must be ours
+        if (param.dtype in quantized or tensor.dtype in quantized) and param.dtype != tensor.dtype:
             raise ModelLoadError(f"tensor {name} is {tensor.dtype}, expected {param.dtype}")
         if kind == "weight_scale" and tensor.dim() == 2 and tensor.shape[1] == 1:
             tensor = tensor[:, 0]  # compressed-tensors stores per-channel scales as [N, 1]

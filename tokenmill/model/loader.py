@@ -208,12 +208,13 @@ def check_fp8(device: torch.device) -> None:
 
 def load_model(path: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                max_positions: int, quantization: str = "none") -> LlamaModel:
-    if cfg.quantization is not None:  # a pre-quantized checkpoint: its own int8 weights, whatever was asked
-        if quantization not in ("none", "int8"):
+    if cfg.quantization is not None:  # a pre-quantized checkpoint: its own weights, whatever was asked
+        own = "fp8" if cfg.quantization.endswith("-fp8") else "int8"
+        if quantization not in ("none", own):
             raise ModelLoadError(f"quantization={quantization!r} cannot apply to a checkpoint already quantized "
                                  f"({cfg.quantization})")
         quantization = cfg.quantization
-    if quantization == "fp8":
+    if quantization in ("fp8", "compressed-tensors-w8a8-fp8"):
         check_fp8(device)
     with torch.device("cpu"):
         model = LlamaModel(cfg, dtype, max_positions, quantization)

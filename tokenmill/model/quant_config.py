@@ -1,6 +1,8 @@
 """Pre-quantized checkpoints: the one `quantization_config` format tokenmill loads, and the refusal of all others.
 
-Accepted: compressed-tensors int8 W8A8 as vLLM reads it (what llm-compressor's W8A8 int8 recipe writes):
+Accepted: compressed-tensors int8 W8A8 as vLLM reads it (what llm-compressor's W8A8 int8 recipe writes), and its
+fp8 twin (llm-compressor's FP8_DYNAMIC scheme: "format": "float-quantized", "type": "float" for both weights and
+input activations, the same strategies; weights stored as float8_e4m3fn):
 
     "quantization_config": {
       "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
@@ -15,7 +17,9 @@ Accepted: compressed-tensors int8 W8A8 as vLLM reads it (what llm-compressor's W
 Tensors: each decoder projection's `*.weight` is int8 [out, in] (symmetric, no zero point) and
 `*.weight_scale` its per-output-channel scale, [out, 1] (or [out]), any float dtype: w = weight * weight_scale.
 Embeddings, norms and lm_head stay float. The weights load straight into `Int8LinearMethod`'s int8 storage
-(no re-quantization); activations are quantized per token at run time, as `--quantization int8` does.
+(no re-quantization); activations are quantized per token at run time, as `--quantization int8` does. An fp8
+checkpoint loads the same way into `Fp8LinearMethod`'s storage and runs as `--quantization fp8` does (natively on
+CUDA sm89+; emulated on CPUs).
 
 Everything else is refused with a `ModelLoadError` naming the key and value: other quant_methods (awq, gptq,
 fp8, bitsandbytes, ...), other formats (float-quantized, pack-quantized, naive-quantized, ...), weights other
@@ -29,13 +33,15 @@ from __future__ import annotations
 
 from tokenmill.errors import ModelLoadError
 
-SUPPORTED = "supported: compressed-tensors int8 W8A8 (int-quantized, per-channel weights, dynamic per-token activations)"
+SUPPORTED = ("supported: compressed-tensors int8 or fp8 W8A8 (int-quantized / float-quantized, per-channel weights, "
+             "dynamic per-token activations)")
+FORMATS = {"int-quantized": ("int", "compressed-tensors-w8a8"), "float-quantized": ("float", "compressed-tensors-w8a8-fp8")}
 
 # keys that only describe how the checkpoint was calibrated or compressed, not the math at load/run time
 _TOP_BENIGN = {"global_compression_ratio", "version", "quantization_status"}
 _ARGS_BENIGN = {"observer", "observer_kwargs"}
-_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
-_INPUTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+_WEIGHTS = {"num_bits": 8, "symmetric": True, "strategy": "channel", "dynamic": False}  # + "type" by format
+_INPUTS = {"num_bits": 8, "symmetric": True, "strategy": "token", "dynamic": True}
 _NULLABLE = {"group_size", "block_structure", "actorder", "scale_dtype", "zp_dtype"}  # must be null (or absent)
 
 
@@ -62,8 +68,8 @@ def _check_args(where: str, key: str, args, want: dict) -> None:
 
 
 def parse_quantization_config(qc, where: str) -> str:
-    """config.json's `quantization_config` -> the checkpoint format tokenmill loads ("compressed-tensors-w8a8"),
-    or a ModelLoadError naming the first unsupported key and its value."""
+    """config.json's `quantization_config` -> the checkpoint format tokenmill loads ("compressed-tensors-w8a8" or
+    "compressed-tensors-w8a8-fp8"), or a ModelLoadError naming the first unsupported key and its value."""
     if not isinstance(qc, dict):
         _refuse(where, "", qc, "expected an object")
     method = qc.get("quant_method")
@@ -74,8 +80,10 @@ def parse_quantization_config(qc, where: str) -> str:
     for k, v in qc.items():
         if k not in known and v is not None:
             _refuse(where, k, v, "unknown key")
-    if qc.get("format") != "int-quantized":
-        _refuse(where, "format", qc.get("format"))
+    fmt = qc.get("format")
+    if fmt not in FORMATS:
+        _refuse(where, "format", fmt)
+    value_type, kind = FORMATS[fmt]
     if qc.get("quantization_status", "compressed") != "compressed":
         _refuse(where, "quantization_status", qc.get("quantization_status"),
                 "only compressed checkpoints store int8 weights")
@@ -95,12 +103,12 @@ def parse_quantization_config(qc, where: str) -> str:
     for k, v in group.items():
         if k not in ("targets", "weights", "input_activations", "output_activations", "format") and v is not None:
             _refuse(where, f"{key}.{k}", v, "unknown key")
-    if group.get("format", "int-quantized") != "int-quantized":
-        _refuse(where, f"{key}.format", group.get("format"))
+    if group.get("format", fmt) != fmt:
+        _refuse(where, f"{key}.format", group.get("format"), f"the checkpoint's format is {fmt!r}")
     if group.get("targets") != ["Linear"]:
         _refuse(where, f"{key}.targets", group.get("targets"), "all Linear layers expected")
-    _check_args(where, f"{key}.weights", group.get("weights"), _WEIGHTS)
-    _check_args(where, f"{key}.input_activations", group.get("input_activations"), _INPUTS)
+    _check_args(where, f"{key}.weights", group.get("weights"), {**_WEIGHTS, "type": value_type})
+    _check_args(where, f"{key}.input_activations", group.get("input_activations"), {**_INPUTS, "type": value_type})
     if group.get("output_activations") is not None:
         _refuse(where, f"{key}.output_activations", group["output_activations"])
-    return "compressed-tensors-w8a8"
+    return kind
