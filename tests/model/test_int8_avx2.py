@@ -227,6 +227,13 @@ def test_int8_linear_streams_the_packed_weight():
         if m > 8:
             K_MOD.avx2_int8_gemm(ref, x, lin.avx2_panels, lin.w_scale, None)
         assert torch.equal(lin(x), ref)
+    # no [K, N] copy for torch._int_mm on this path; the PyTorch fallback (an fp16 input: no kernel takes it)
+    # computes the same W8A8 product from w8
+    assert lin.w8_t is None
+    x = torch.randn(3, 512).half()
+    want = torch.empty(3, 768)
+    K_MOD.avx2_int8_gemv(want, x.float(), lin.w8, lin.w_scale, None)  # exact fp32 sums (127 * 127 * 512 < 2^24)
+    torch.testing.assert_close(lin(x).float(), want.half().float(), rtol=1e-3, atol=1e-3)  # the fp16 rounding
 
 
 def _head_case(v, k, m, dtype, seed):
