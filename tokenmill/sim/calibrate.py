@@ -161,7 +161,8 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], concurren
     tmp = Path(tempfile.mkdtemp(prefix="tokenmill-calibrate-"))
     logf = open(tmp / "server.log", "w")
     server = subprocess.Popen([py, "-m", "tokenmill", "serve", "--model", model, "--port", str(port), "--admission",
-                               "off", *engine_args], stdout=logf, stderr=subprocess.STDOUT, env=env)
+                               "off", *engine_args], stdout=logf, stderr=subprocess.STDOUT,
+                              env={**env, "TOKENMILL_STEP_TRACE": str(tmp / "steps.jsonl")})
     url = f"http://127.0.0.1:{port}"
     points = []
     try:
@@ -179,13 +180,17 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], concurren
         from tokenmill.model.loader import resolve_model_path
 
         tok = str(resolve_model_path(model))
+        windows = []
+
         def run(c: int, p: int, tag: str) -> dict:
             out = tmp / tag
             n = max(3 * c, 12)
+            t0 = time.perf_counter()
             subprocess.run([py, "-m", "tokenmill", "bench", "--target", url, "--model", model, "--tokenizer", tok,
                             "--workload", f"batch:prompt={p},output={output},spread=0", "--concurrency", str(c),
                             "--num-requests", str(n), "--out", str(out), "--no-plots", "--no-progress"],
                            check=True, env=env, stdout=subprocess.DEVNULL)
+            windows.append({"tag": tag, "concurrency": c, "prompt": p, "t0": t0, "t1": time.perf_counter()})
             s = json.loads((out / "result.json").read_text())["summary"]
             log(f"  serving: {c} streams, prompt {p}: TPOT p50 {s['tpot_ms']['p50']:.2f} ms, "
                 f"TTFT p50 {s['ttft_ms']['p50']:.1f} ms")
@@ -222,4 +227,4 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], concurren
             "prefill_scale": float(scale),
             "points": [{"concurrency": c, "tpot_s": t, "ttft_s": f} for c, t, f in points],
             "long_prompt": long_prompt, "long_prompt_ttft_s": long_ttft_s,
-            "prompt": prompt, "output": output}
+            "prompt": prompt, "output": output, "dir": str(tmp), "windows": windows}
