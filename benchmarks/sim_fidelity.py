@@ -216,7 +216,7 @@ def explain(args, rates: list[float], out: Path) -> None:
             real = sum(s["t1"] - s["t0"] for s in steps)
             gaps = [b["t0"] - a["t1"] for a, b in zip(steps, steps[1:]) if b["t0"] - a["t1"] < 0.05]
             shapes = [StepShape(s["tokens"], s["prefill_tokens"], s["decode_seqs"], s["attn_pairs"], s["decode_ctx"],
-                                s["prefill_ctx"], s["logits"]) for s in steps]
+                                s["prefill_ctx"], s["logits"], s.get("new_requests", 0)) for s in steps]
             fit = sum(model.engine_step_s(x) for x in shapes)
             sim = sum(model.step_s(x) for x in shapes)
             dec = [s["decode_seqs"] for s in steps if s["prefill_tokens"] == 0]

@@ -44,9 +44,10 @@ def test_step_trace_has_one_line_per_step_with_the_scheduled_shape(tiny_dir, tmp
     lines = [json.loads(x) for x in (tmp_path / f"steps-{os.getpid()}.jsonl").read_text().splitlines()]
     assert len(lines) == steps == len(shapes)
     assert any(s.prefill_tokens and s.decode_seqs for s in shapes)  # chunked prefill beside a decode: a mixed step
+    assert [s.new_requests for s in shapes][:2] == [2, 0]  # both start in the first step
     for line, s in zip(lines, shapes):
         assert StepShape(line["tokens"], line["prefill_tokens"], line["decode_seqs"], line["attn_pairs"],
-                         line["decode_ctx"], line["prefill_ctx"], line["logits"]) == s
+                         line["decode_ctx"], line["prefill_ctx"], line["logits"], line["new_requests"]) == s
         assert line["t1"] > line["t0"] and line["cpu_s"] >= 0
     assert all(b["t0"] >= a["t1"] for a, b in zip(lines, lines[1:]))
 

@@ -222,7 +222,8 @@ class EngineCore:
         self._trace.write(json.dumps({
             "t0": t0, "t1": t1, "cpu_s": cpu_s, "budget": budget, "tokens": shape.tokens,
             "prefill_tokens": shape.prefill_tokens, "decode_seqs": shape.decode_seqs, "attn_pairs": shape.attn_pairs,
-            "decode_ctx": shape.decode_ctx, "prefill_ctx": shape.prefill_ctx, "logits": shape.logits}) + "\n")
+            "decode_ctx": shape.decode_ctx, "prefill_ctx": shape.prefill_ctx, "logits": shape.logits,
+            "new_requests": shape.new_requests}) + "\n")
 
     def abort_all(self) -> list[str]:
         rids = list(self.live)
