@@ -97,8 +97,8 @@ def test_serving_fit_recovers_per_step_token_request_and_prefill_costs():
     served = Calibrated(COEF, {"serving": got})
     shape = StepShape(tokens=208, prefill_tokens=200, decode_seqs=8, attn_pairs=3e4, decode_ctx=900, logits=9,
                       new_requests=1)
-    assert served.step_s(shape) - cal.step_s(shape) == pytest.approx(terms[0] + 9 * terms[1] + terms[2] + 200 * terms[3],
-                                                                     rel=0.05)
+    want = terms[0] + 9 * terms[1] + terms[2] + 200 * terms[3]
+    assert served.step_s(shape) - cal.step_s(shape) == pytest.approx(want, rel=0.05)
 
 
 def test_serving_excess_leaves_idle_pauses_out():

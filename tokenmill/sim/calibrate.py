@@ -297,9 +297,11 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], runs=SERV
             cpu["bench"] = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
             cpu["other"] = max(0.0, _machine_busy_s() - m0 - sum(cpu.values()))
             s = json.loads((out / "result.json").read_text())["summary"]
-            log(f"  serving: {c} streams, prompt {p}, output {o} (spread {spread:g}): TPOT p50 {s['tpot_ms']['p50']:.2f} ms, "
+            log(f"  serving: {c} streams, prompt {p}, output {o} (spread {spread:g}): "
+                f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms, "
                 f"TTFT p50 {s['ttft_ms']['p50']:.1f} ms")
-            results.append({"concurrency": c, "prompt": p, "output": o, "spread": spread, "requests": n, "t0": t0, "t1": t1,
+            results.append({"concurrency": c, "prompt": p, "output": o, "spread": spread, "requests": n,
+                            "t0": t0, "t1": t1,
                             "wall_s": t1 - t0, "cpu_s": cpu, "tpot_s": s["tpot_ms"]["p50"] / 1000,
                             "ttft_s": s["ttft_ms"]["p50"] / 1000})
     finally:
