@@ -8,6 +8,14 @@ Per load level: a fresh `tokenmill serve --model demo --admission off` measured 
 admission off (the single server); both write the bench's result.json. The table gives median and p90 TTFT,
 TPOT and E2E, goodput and attainment, real vs sim, and the sim's relative error. Without --profile the
 script first runs `tokenmill sim calibrate` (same engine settings as the server).
+
+--repeats N runs the real side N times per level (a fresh server each time; the rounds go over all the
+levels in turn, so a slow minute of the machine does not land on one level only); the table then gives the
+real side's mean, its run-to-run spread ((max - min) / mean) and the sim's error against the mean. The sim is
+deterministic: it runs once per level. Each real run also writes the engine core's per-step trace
+(TOKENMILL_STEP_TRACE, server/engine_core.py) and the CPU seconds of the server (front-end, engine core) and
+of the bench client (`real-R-K/cpu.json`), which is what `--explain` prints: per level, the real steps'
+time against the profile's prediction for the same step shapes, and where the time between steps went.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -36,18 +46,61 @@ def load_flags(args, rate: float) -> list[str]:
             "--seed", str(args.seed), "--no-plots"] + sum((["--slo", s] for s in args.slo), [])
 
 
-def run_real(args, rate: float, out: Path) -> dict:
-    log = out / f"server-{rate:g}.log"
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a live process, from /proc (Linux); 0.0 where it cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _system_busy_s() -> float:
+    """CPU seconds all processes of the machine have used since boot (/proc/stat: everything but idle and
+    iowait); 0.0 where it cannot be read."""
+    try:
+        f = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def run_real(args, rate: float, out: Path, repeat: int = 0) -> dict:
+    tag = f"{rate:g}" if args.repeats == 1 else f"{rate:g}-{repeat}"
+    dest = out / f"real-{tag}"
+    dest.mkdir(parents=True, exist_ok=True)
+    log = out / f"server-{tag}.log"
     cmd = [PY, "-m", "tokenmill", "serve", "--model", args.model, "--port", str(args.port), "--admission", "off",
            "--kv-cache-bytes", args.kv_cache_bytes, "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    server = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=ENV)
+    trace = dest / "steps.jsonl"
+    trace.unlink(missing_ok=True)
+    server = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                              env={**ENV, "TOKENMILL_STEP_TRACE": str(trace)})
     url = f"http://127.0.0.1:{args.port}"
     try:
         wait_ready(server, url, log)
-        dest = out / f"real-{rate:g}"
+        procs = {"front-end": server.pid, **{f"core-{c}": c for c in _children(server.pid)}}
+        before = {k: _cpu_s(p) for k, p in procs.items()}
+        bench0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        sys0 = _system_busy_s()
+        t0 = time.perf_counter()
         subprocess.run([PY, "-m", "tokenmill", "bench", "--target", url, "--model", args.model, "--tokenizer",
                         args.tokenizer, "--out", str(dest), "--no-progress"] + load_flags(args, rate),
                        check=True, env=ENV, stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - t0
+        bench1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = {k: _cpu_s(p) - before[k] for k, p in procs.items()}
+        cpu["bench"] = (bench1.ru_utime + bench1.ru_stime) - (bench0.ru_utime + bench0.ru_stime)
+        # what the rest of the machine used meanwhile (other users' jobs: a run with much of it is not quiet)
+        cpu["other"] = max(0.0, _system_busy_s() - sys0 - sum(cpu.values()))
+        (dest / "cpu.json").write_text(json.dumps({"wall_s": wall, "cpu_s": cpu}, indent=1) + "\n")
         return json.loads((dest / "result.json").read_text())
     finally:
         _stop([server])
@@ -86,8 +139,15 @@ def main() -> None:
     ap.add_argument("--kv-cache-bytes", default="256MiB")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--port", type=int, default=18431)
+    ap.add_argument("--repeats", type=int, default=1, help="real runs per level (run-to-run spread)")
+    ap.add_argument("--real-only", action="store_true", help="skip the sim (real runs and traces only)")
+    ap.add_argument("--sim-only", action="store_true",
+                    help="reuse the real runs already in --out (real-R[-K]/result.json); run the sim only")
+    ap.add_argument("--explain", action="store_true", help="per level: the real steps vs the profile's model")
     ap.add_argument("--out", default="/tmp/sim_fidelity")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"ISA: {capabilities().summary()}")
@@ -96,22 +156,81 @@ def main() -> None:
         subprocess.run([PY, "-m", "tokenmill", "sim", "calibrate", "--model", args.model, "--out", args.profile,
                         "--kv-cache-bytes", args.kv_cache_bytes, "--max-num-batched-tokens",
                         str(args.max_num_batched_tokens)], check=True, env=ENV)
-    rows = []
-    for rate in [float(r) for r in args.rates.split(",")]:
-        real = run_real(args, rate, out)["summary"]
-        sim, wall = run_sim(args, rate, out)
-        rows.append((rate, real, sim["summary"], sim["sim"]["levels"][0]))
+    rates = [float(r) for r in args.rates.split(",")]
+    reals: dict[float, list[dict]] = {r: [] for r in rates}
+    for k in range(args.repeats):  # rounds over all the levels
+        for rate in rates:
+            if args.sim_only:
+                tag = f"{rate:g}" if args.repeats == 1 else f"{rate:g}-{k}"
+                reals[rate].append(json.loads((out / f"real-{tag}" / "result.json").read_text())["summary"])
+            else:
+                reals[rate].append(run_real(args, rate, out, k)["summary"])
+    sims = {} if args.real_only else {rate: run_sim(args, rate, out)[0] for rate in rates}
     print(f"\nworkload {args.workload}, {args.num_requests} requests per level, model {args.model}, "
-          f"profile {args.profile}")
-    print("| rate | metric | real | sim | error |")
-    print("|---:|---|---:|---:|---:|")
-    for rate, real, sim, level in rows:
+          f"profile {args.profile}, {args.repeats} real run(s) per level")
+    fmt = (lambda v: "-" if v is None else f"{v:.3g}")
+    if args.repeats == 1:
+        print("| rate | metric | real | sim | error |")
+        print("|---:|---|---:|---:|---:|")
+    else:
+        print("| rate | metric | real runs | real mean | real spread | sim | error vs mean |")
+        print("|---:|---|---|---:|---:|---:|---:|")
+    for rate in rates:
+        sim = sims[rate]["summary"] if rate in sims else {}
         for name, key, sub in METRICS:
-            r, s = value(real, key, sub), value(sim, key, sub)
+            rs = [value(r, key, sub) for r in reals[rate]]
+            s = value(sim, key, sub)
+            r = statistics.fmean(rs) if None not in rs else None
             err = f"{100 * (s - r) / r:+.1f}%" if r and s is not None else "-"
-            fmt = (lambda v: "-" if v is None else f"{v:.3g}")
-            print(f"| {rate:g} | {name} | {fmt(r)} | {fmt(s)} | {err} |")
-        print(f"| {rate:g} | sim events/s | | {level['events_per_s']:.0f} | |")
+            if args.repeats == 1:
+                print(f"| {rate:g} | {name} | {fmt(r)} | {fmt(s)} | {err} |")
+            else:
+                spread = f"{100 * (max(rs) - min(rs)) / r:.1f}%" if r else "-"
+                print(f"| {rate:g} | {name} | {' / '.join(fmt(v) for v in rs)} | {fmt(r)} | {spread} | {fmt(s)} "
+                      f"| {err} |")
+        if rate in sims:
+            print(f"| {rate:g} | sim events/s | | | | {sims[rate]['sim']['levels'][0]['events_per_s']:.0f} | |")
+    if args.explain:
+        explain(args, rates, out)
+
+
+def explain(args, rates: list[float], out: Path) -> None:
+    """Per level and real run: the engine core's steps (TOKENMILL_STEP_TRACE) against the profile's model of
+    the same step shapes, and the CPU the server and the bench client used."""
+    from tokenmill.sim.cost_model import Calibrated, StepShape
+
+    model = Calibrated.load(args.profile)
+    print("\n| run | steps | decode steps: mean seqs | real step ms | engine fit ms | real / fit | gap between "
+          "steps ms | sim step ms (fit + serving) | (real step + gap) / sim | CPU s: core / front-end / bench / other "
+          "per wall s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for rate in rates:
+        for k in range(args.repeats):
+            tag = f"{rate:g}" if args.repeats == 1 else f"{rate:g}-{k}"
+            d = out / f"real-{tag}"
+            if not (d / "steps.jsonl").exists():
+                continue
+            steps = [json.loads(line) for line in (d / "steps.jsonl").read_text().splitlines() if line.strip()]
+            if not steps:
+                continue
+            real = sum(s["t1"] - s["t0"] for s in steps)
+            gaps = [b["t0"] - a["t1"] for a, b in zip(steps, steps[1:]) if b["t0"] - a["t1"] < 0.05]
+            shapes = [StepShape(s["tokens"], s["prefill_tokens"], s["decode_seqs"], s["attn_pairs"], s["decode_ctx"],
+                                s["prefill_ctx"], s["logits"], s.get("new_requests", 0)) for s in steps]
+            fit = sum(model.engine_step_s(x) for x in shapes)
+            sim = sum(model.step_s(x) for x in shapes)
+            dec = [s["decode_seqs"] for s in steps if s["prefill_tokens"] == 0]
+            cpu = json.loads((d / "cpu.json").read_text()) if (d / "cpu.json").exists() else None
+            cpu_txt = "-"
+            if cpu:
+                c, w = cpu["cpu_s"], cpu["wall_s"]
+                core = sum(v for n, v in c.items() if n.startswith("core"))
+                cpu_txt = " / ".join(f"{v / w:.2f}" for v in (core, c.get("front-end", 0), c.get("bench", 0),
+                                                               c.get("other", 0)))
+            n = len(steps)
+            print(f"| {tag} | {n} | {statistics.fmean(dec) if dec else 0:.1f} | {1000 * real / n:.2f} | "
+                  f"{1000 * fit / n:.2f} | {real / fit:.3f} | {1000 * statistics.fmean(gaps) if gaps else 0:.3f} | "
+                  f"{1000 * sim / n:.2f} | {(real + sum(gaps)) / sim:.3f} | {cpu_txt} |")
 
 
 if __name__ == "__main__":

@@ -105,8 +105,9 @@ def test_decode_run_times_in_one_pass_equal_step_by_step():
     from tokenmill.sim.cost_model import CostModel
 
     rng = np.random.default_rng(5)
-    cal = Calibrated([0.002, 2e-5, 1e-4, 1e-8, 1e-7, 1e-4], {"serving": {"step_s": 1e-4, "per_seq_s": 3e-6,
-                                                                         "prefill_scale": 1.3}})
+    cal = Calibrated([0.002, 2e-5, 1e-4, 1e-8, 1e-7, 1e-4, 3e-4],
+                     {"serving": {"step_s": 1e-4, "per_seq_s": 3e-6, "prefill_scale": 1.3, "per_request_s": 2e-3,
+                                  "per_prefill_token_s": 1e-6}})
     models = [Roofline(MODELS["llama-3.1-8b"], HW["h100"]), Roofline(MODELS["deepseek-v3"], HW["h200"]),
               Roofline(MODELS["llama-3.1-405b"], HW["b300"], replace(Roofline(MODELS["llama-3.1-8b"], HW["h100"]).p,
                                                                      tp=4, dtype="fp8")), cal]

@@ -83,6 +83,7 @@ class LLMEngine:
         self.last_first_scheduled: list[str] = []  # ids the last step scheduled for the first time
         self.last_step_decodes = 0  # the last step's composition (for a step-time model)
         self.last_step_prefill_tokens = 0
+        self.last_sched = None  # the last step's SchedulerOutput (diagnostics: the core's TOKENMILL_STEP_TRACE)
         self.prompt_tokens_total = 0  # prompt tokens of admitted requests
         self.generation_tokens_total = 0
 
@@ -205,6 +206,7 @@ class LLMEngine:
             self.tiers.preempted(sched.preempted)
         self.last_first_scheduled = sched.first_scheduled  # for callers that time the waiting phase
         self.last_step_decodes, self.last_step_prefill_tokens = step_composition(sched)
+        self.last_sched = sched
         if sched.empty:
             if self.tiers is not None and self.tiers.loading:  # only parked requests: wait for a load, briefly
                 self.tiers.wait(min(TIER_IDLE_WAIT_S, self.tiers.next_deadline() - time.perf_counter()))

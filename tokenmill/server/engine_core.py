@@ -27,7 +27,9 @@ closes (the server died): no orphan engine. It ignores SIGINT/SIGTERM: the front
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import pickle
 import select
 import socket
@@ -152,6 +154,11 @@ class EngineCore:
         self._pool = pool if kv_events and hasattr(pool, "events") else None
         if self._pool is not None:
             self._pool.events = []
+        # diagnostics: TOKENMILL_STEP_TRACE=FILE ({pid}: the process id) appends one JSON line per step: its
+        # start and end (perf_counter), the process CPU seconds it used (2 busy torch threads: ~2x the wall),
+        # the token budget and the step's shape as the simulator's cost model reads it (sim/cost_model.StepShape)
+        path = os.environ.get("TOKENMILL_STEP_TRACE")
+        self._trace = open(path.replace("{pid}", str(os.getpid())), "a", buffering=1) if path else None
 
     def run_once(self, commands) -> StepResult:
         res = StepResult()
@@ -181,6 +188,7 @@ class EngineCore:
         eng = self.engine
         budget = self.step_budget.budget_for(eng, eng.config.max_num_batched_tokens)
         res.stepped = True
+        cpu0 = time.process_time() if self._trace is not None else 0.0
         res.t0 = t0 = time.perf_counter()
         try:
             outputs = eng.step(now=t0, token_budget=budget)
@@ -192,6 +200,8 @@ class EngineCore:
             return
         res.t1 = now = time.perf_counter()
         self.step_budget.observe(eng.last_step_decodes, eng.last_step_prefill_tokens, now - t0)
+        if self._trace is not None:
+            self._trace_step(t0, now, time.process_time() - cpu0, budget)
         res.first_scheduled = list(eng.last_first_scheduled)
         slim = self.slim_outputs
         for out in outputs:
@@ -203,6 +213,17 @@ class EngineCore:
                 out = RequestOutput(out.request_id, out.new_token_ids, out.new_text, "", [], out.num_prompt_tokens,
                                     out.num_cached_tokens, new_logprobs=out.new_logprobs)
             res.outputs.append(out)
+
+    def _trace_step(self, t0: float, t1: float, cpu_s: float, budget: int | None) -> None:
+        from tokenmill.sim.cost_model import StepShape
+
+        sched = getattr(self.engine, "last_sched", None)
+        shape = StepShape.of(sched) if sched is not None and not sched.empty else StepShape()
+        self._trace.write(json.dumps({
+            "t0": t0, "t1": t1, "cpu_s": cpu_s, "budget": budget, "tokens": shape.tokens,
+            "prefill_tokens": shape.prefill_tokens, "decode_seqs": shape.decode_seqs, "attn_pairs": shape.attn_pairs,
+            "decode_ctx": shape.decode_ctx, "prefill_ctx": shape.prefill_ctx, "logits": shape.logits,
+            "new_requests": shape.new_requests}) + "\n")
 
     def abort_all(self) -> list[str]:
         rids = list(self.live)

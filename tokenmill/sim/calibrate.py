@@ -48,14 +48,28 @@ class _Recorder:
 
         engine.scheduler.schedule = schedule
         self.samples: list[tuple[StepShape, float]] = []
+        self.cells: list[object] = []  # per sample: the grid cell its repeats share (None: a cell of its own)
 
-    def step(self, token_budget: int | None = None, keep: bool = True):
+    def step(self, token_budget: int | None = None, keep: bool = True, cell=None):
         t0 = time.perf_counter()
         out = self.engine.step(now=t0, token_budget=token_budget)
         dt = time.perf_counter() - t0
         if keep and self.last is not None and not self.last.empty:
             self.samples.append((StepShape.of(self.last), dt))
+            self.cells.append(cell if cell is not None else object())
         return out
+
+
+def cell_medians(samples: list[tuple[StepShape, float]], cells: list) -> tuple[np.ndarray, np.ndarray]:
+    """One row per grid cell: the median of its repeats' features and of their times. A step another
+    process's burst of CPU slowed (on a shared machine: a few x) moves a cell's median far less than a mean or
+    a least-squares fit over every repeat."""
+    groups: dict = {}
+    for (shape, t), cell in zip(samples, cells):
+        groups.setdefault(id(cell) if not isinstance(cell, tuple) else cell, []).append((shape.features(), t))
+    x = np.array([np.median(np.array([f for f, _ in g]), axis=0) for g in groups.values()])
+    y = np.array([float(np.median([t for _, t in g])) for g in groups.values()])
+    return x, y
 
 
 def calibrate(model: str, grid: Grid = Grid(), engine_kwargs: dict | None = None, seed: int = 0,
@@ -72,6 +86,7 @@ def calibrate(model: str, grid: Grid = Grid(), engine_kwargs: dict | None = None
     max_len = engine.max_model_len
     ids = itertools.count()
     t_start = time.perf_counter()
+    busy0, own0 = _machine_busy_s(), time.process_time()
 
     def add(n: int, max_tokens: int) -> str:
         rid = f"cal-{next(ids)}"
@@ -97,16 +112,20 @@ def calibrate(model: str, grid: Grid = Grid(), engine_kwargs: dict | None = None
                       for r in live if r in engine.scheduler.requests):
                 rec.step()  # prefill steps (full budget), samples too
             for _ in range(grid.repeats):
-                rec.step()  # decode-only
+                rec.step(cell=(c, d, 0))  # decode-only
             for p in grid.prefills:
                 for _ in range(grid.repeats):
                     extra = add(p + 1, 1)
-                    rec.step(token_budget=d + p)
+                    rec.step(token_budget=d + p, cell=(c, d, p))
                     engine.abort_request(extra)
             drain()
         log(f"  context {c}: {len(rec.samples)} samples so far ({time.perf_counter() - t_start:.0f} s)")
-    x = np.array([s.features() for s, _ in rec.samples])
-    y = np.array([t for _, t in rec.samples])
+    elapsed = time.perf_counter() - t_start
+    other = max(0.0, _machine_busy_s() - busy0 - (time.process_time() - own0)) / elapsed if elapsed > 0 else 0.0
+    if other > 0.1:
+        log(f"  warning: other processes used {other:.2f} cores of this machine during the grid; its step times "
+            "include their interference (calibrate on a quiet machine)")
+    x, y = cell_medians(rec.samples, rec.cells)  # robust to other processes' bursts on a shared machine
     coef = nnls(x, y, weights=1.0 / y)
     pred = x @ coef
     rel = np.abs(pred - y) / y
@@ -121,8 +140,9 @@ def calibrate(model: str, grid: Grid = Grid(), engine_kwargs: dict | None = None
                    "num_threads": c.num_threads, "max_model_len": engine.max_model_len},
         "grid": {"contexts": list(grid.contexts), "decodes": list(grid.decodes), "prefills": list(grid.prefills),
                  "repeats": grid.repeats},
-        "fit": {"samples": len(y), "median_abs_rel_error": float(np.median(rel)),
-                "p90_abs_rel_error": float(np.percentile(rel, 90)), "seconds": time.perf_counter() - t_start},
+        "fit": {"samples": len(rec.samples), "cells": len(y), "median_abs_rel_error": float(np.median(rel)),
+                "p90_abs_rel_error": float(np.percentile(rel, 90)), "seconds": time.perf_counter() - t_start,
+                "other_cpu_share": other},
         "samples": [[*s.features().tolist()[1:], t] for s, t in rec.samples],
     }
 
@@ -133,19 +153,91 @@ def write_profile(profile: dict, out: str | Path) -> None:
     out.write_text(json.dumps(profile, indent=1) + "\n")
 
 
-def measure_serving(profile: dict, model: str, engine_args: list[str], concurrencies=(1, 4, 16),
-                    prompt: int = 128, output: int = 64, long_prompt: int = 1024, port: int = 18473,
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a live process (Linux /proc); 0.0 where it cannot be read."""
+    import os
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds every process of the machine used since boot (/proc/stat, all but idle and iowait)."""
+    import os
+
+    try:
+        f = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+GAP_CAP_S = 0.05  # a longer pause between two steps is the engine waiting for work, not serving overhead
+
+
+def _shape(d: dict) -> StepShape:
+    return StepShape(d["tokens"], d["prefill_tokens"], d["decode_seqs"], d["attn_pairs"], d["decode_ctx"],
+                     d["prefill_ctx"], d["logits"], d.get("new_requests", 0))
+
+
+def serving_excess(steps: list[dict], engine_step_s) -> dict:
+    """One serving run's engine-core step trace (TOKENMILL_STEP_TRACE lines, in order) against the in-process
+    engine fit: what the served engine lost beyond the fit -- each step's measured time minus the fit of its
+    shape, plus the pause before the next step (the core's own loop and the front-end's wake-up; pauses over
+    GAP_CAP_S are the engine waiting for work, not counted) -- in total and per step (`rows`: the step's
+    regressors SERVING_TERMS and its excess)."""
+    rows = []
+    for a, b in zip(steps, steps[1:] + [None]):
+        gap = 0.0 if b is None else b["t0"] - a["t1"]
+        gap = gap if gap <= GAP_CAP_S else 0.0
+        rows.append(([1.0, a["logits"], a.get("new_requests", 0), a["prefill_tokens"]],
+                     (a["t1"] - a["t0"]) + gap - engine_step_s(_shape(a))))
+    busy = sum(d["t1"] - d["t0"] for d in steps)
+    fit = sum(engine_step_s(_shape(d)) for d in steps)
+    return {"steps": len(steps), "tokens": sum(d["logits"] for d in steps),
+            "requests": sum(d.get("new_requests", 0) for d in steps),
+            "prefill_tokens": sum(d["prefill_tokens"] for d in steps), "busy_s": busy,
+            "engine_fit_s": fit, "excess_s": sum(e for _, e in rows), "rows": rows}
+
+
+SERVING_TERMS = ("step_s", "per_seq_s", "per_request_s", "per_prefill_token_s")
+
+
+def fit_serving(runs: list[dict]) -> dict[str, float]:
+    """The serving terms (SERVING_TERMS: per step, per streamed token, per request started, per prefill token)
+    by non-negative least squares of every step's excess (serving_excess rows, all runs) on its counts."""
+    rows = [r for run in runs for r in run["rows"]]
+    x = np.array([f for f, _ in rows], dtype=np.float64)
+    y = np.array([e for _, e in rows])
+    return dict(zip(SERVING_TERMS, (float(v) for v in nnls(x, y))))
+
+
+# (streams, prompt, output, spread) of the serving runs: one stream of fixed lengths (the per-request delay,
+# from its TTFT), then closed loops with lognormal lengths (spread 0.5) so requests start and end at different
+# steps and prefill chunks run beside decodes, as they do in serving; one with short outputs, so the
+# per-request part of the overhead is told apart from the per-token part
+SERVING_RUNS = ((1, 128, 64, 0.0), (4, 256, 128, 0.5), (16, 256, 128, 0.5), (24, 256, 128, 0.5), (8, 128, 8, 0.5))
+
+
+def measure_serving(profile: dict, model: str, engine_args: list[str], runs=SERVING_RUNS, port: int = 18473,
                     log=print) -> dict:
-    """The serving overhead on top of the engine fit: a real `tokenmill serve` (admission off) under a closed
-    loop of C streams (fixed prompt and output lengths) measured by `tokenmill bench` in its own process, for
-    each C. In steady state a stream's TPOT is one step of ~C decodes, so
+    """The serving overhead on top of the engine fit, from a real `tokenmill serve` (admission off) under closed
+    loops of C streams (fixed prompt and output lengths; `runs`), measured by `tokenmill bench` in its own
+    process. The server's engine core writes every step it runs (TOKENMILL_STEP_TRACE): what the served engine
+    lost beyond the in-process fit at each step (serving_excess: measured step + pause - fit of the same shape)
+    is regressed on the step's counts (fit_serving):
 
-        TPOT_real(C) - engine_fit(C decodes at the mean context) = step_s + per_seq_s x C   (fitted, >= 0)
-        TTFT_real(C=1, P) = request_s + prefill_scale x engine_fit(one prefill of P tokens) + step_s + per_seq_s
-                            for P = `prompt` and `long_prompt` (two equations: the per-request delay, and how
-                            much slower a prefill runs inside the server than in-process)
+        excess of a step = step_s + per_seq_s x tokens + per_request_s x requests started
+                           + per_prefill_token_s x prefill tokens                   (fitted over every step, >= 0)
+        TTFT_real(1 stream, prompt P) = request_s + (fit + serving terms)(the one prefill step of P)
 
-    The bench client shares the machine with the server, as it does in the fidelity runs."""
+    On this kind of machine the excess is CPU time: the engine's torch threads use every core, and each
+    CPU-second the front-end and the client take delays it by about one (the profile keeps their CPU seconds
+    per run, `cpu_s`, beside the excess). The bench client shares the machine with the server, as it does in
+    the fidelity runs; the machine's other load during the runs is kept as `other_cpu_share` (cores)."""
     import os
     import signal
     import subprocess
@@ -159,11 +251,13 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], concurren
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     py = sys.executable
     tmp = Path(tempfile.mkdtemp(prefix="tokenmill-calibrate-"))
+    trace = tmp / "steps.jsonl"
     logf = open(tmp / "server.log", "w")
     server = subprocess.Popen([py, "-m", "tokenmill", "serve", "--model", model, "--port", str(port), "--admission",
-                               "off", *engine_args], stdout=logf, stderr=subprocess.STDOUT, env=env)
+                               "off", *engine_args], stdout=logf, stderr=subprocess.STDOUT,
+                              env={**env, "TOKENMILL_STEP_TRACE": str(trace)})
     url = f"http://127.0.0.1:{port}"
-    points = []
+    results = []
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -179,22 +273,37 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], concurren
         from tokenmill.model.loader import resolve_model_path
 
         tok = str(resolve_model_path(model))
-        def run(c: int, p: int, tag: str) -> dict:
-            out = tmp / tag
+        try:
+            core_pids = [int(c) for c in Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()]
+        except (OSError, ValueError):
+            core_pids = []
+        import resource
+
+        for c, p, o, spread in runs:
+            out = tmp / f"c{c}-p{p}-o{o}-s{spread:g}"
             n = max(3 * c, 12)
+            pids = {"front-end": server.pid, **{f"core-{q}": q for q in core_pids}}
+            cpu0 = {k: _cpu_s(q) for k, q in pids.items()}
+            ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            m0 = _machine_busy_s()
+            t0 = time.perf_counter()
             subprocess.run([py, "-m", "tokenmill", "bench", "--target", url, "--model", model, "--tokenizer", tok,
-                            "--workload", f"batch:prompt={p},output={output},spread=0", "--concurrency", str(c),
+                            "--workload", f"batch:prompt={p},output={o},spread={spread:g}", "--concurrency", str(c),
                             "--num-requests", str(n), "--out", str(out), "--no-plots", "--no-progress"],
                            check=True, env=env, stdout=subprocess.DEVNULL)
+            t1 = time.perf_counter()
+            ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = {k: _cpu_s(q) - cpu0[k] for k, q in pids.items()}
+            cpu["bench"] = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
+            cpu["other"] = max(0.0, _machine_busy_s() - m0 - sum(cpu.values()))
             s = json.loads((out / "result.json").read_text())["summary"]
-            log(f"  serving: {c} streams, prompt {p}: TPOT p50 {s['tpot_ms']['p50']:.2f} ms, "
+            log(f"  serving: {c} streams, prompt {p}, output {o} (spread {spread:g}): "
+                f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms, "
                 f"TTFT p50 {s['ttft_ms']['p50']:.1f} ms")
-            return s
-
-        for c in concurrencies:
-            s = run(c, prompt, f"c{c}")
-            points.append((c, s["tpot_ms"]["p50"] / 1000, s["ttft_ms"]["p50"] / 1000))
-        long_ttft_s = run(min(concurrencies), long_prompt, "long")["ttft_ms"]["p50"] / 1000
+            results.append({"concurrency": c, "prompt": p, "output": o, "spread": spread, "requests": n,
+                            "t0": t0, "t1": t1,
+                            "wall_s": t1 - t0, "cpu_s": cpu, "tpot_s": s["tpot_ms"]["p50"] / 1000,
+                            "ttft_s": s["ttft_ms"]["p50"] / 1000})
     finally:
         if server.poll() is None:
             server.send_signal(signal.SIGINT)
@@ -203,23 +312,22 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], concurren
             except subprocess.TimeoutExpired:
                 server.kill()
         logf.close()
-    ctx = prompt + output // 2
-    x, y = [], []
-    for c, tpot, _ in points:
-        engine = fit.engine_step_s(StepShape(tokens=c, decode_seqs=c, attn_pairs=c * ctx, decode_ctx=c * ctx, logits=c))
-        x.append([1.0, c])
-        y.append(max(0.0, tpot - engine))
-    step_s, per_seq_s = nnls(np.array(x), np.array(y))
-    c1 = next(p for p in points if p[0] == min(concurrencies))
-
-    def prefill_s(n: int) -> float:
-        return fit.engine_step_s(StepShape(tokens=n, prefill_tokens=n, attn_pairs=n * (n + 1) / 2, logits=1))
-
-    short, long_ = prefill_s(prompt), prefill_s(long_prompt)
-    scale = max(1.0, (long_ttft_s - c1[2]) / (long_ - short)) if long_ > short else 1.0
-    request_s = max(0.0, c1[2] - scale * short - step_s - per_seq_s)
-    return {"step_s": float(step_s), "per_seq_s": float(per_seq_s), "request_s": float(request_s),
-            "prefill_scale": float(scale),
-            "points": [{"concurrency": c, "tpot_s": t, "ttft_s": f} for c, t, f in points],
-            "long_prompt": long_prompt, "long_prompt_ttft_s": long_ttft_s,
-            "prompt": prompt, "output": output}
+    steps = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()] if trace.exists() else []
+    for r in results:
+        r.update(serving_excess([d for d in steps if r["t0"] <= d["t0"] <= r["t1"]], fit.engine_step_s))
+    if not any(r["steps"] for r in results):
+        raise CLIError(f"calibrate: the server wrote no step trace ({trace})")
+    terms = fit_serving(results)
+    for r in results:
+        del r["rows"]
+    one = next((r for r in results if r["concurrency"] == 1), results[0])
+    p = one["prompt"]
+    first = StepShape(tokens=p, prefill_tokens=p, attn_pairs=p * (p + 1) / 2, logits=1, new_requests=1)
+    served = Calibrated(profile["coef"], {"serving": terms})
+    request_s = max(0.0, one["ttft_s"] - served.step_s(first))
+    wall = sum(r["wall_s"] for r in results)
+    other = sum(r["cpu_s"]["other"] for r in results) / wall if wall else 0.0
+    if other > 0.1:
+        log(f"  warning: other processes used {other:.2f} cores of this machine during the serving runs; the "
+            "serving overhead includes their interference (calibrate on a quiet machine)")
+    return {**terms, "request_s": float(request_s), "other_cpu_share": other, "runs": results, "dir": str(tmp)}

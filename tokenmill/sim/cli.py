@@ -126,8 +126,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if "serving" in profile:
         sv = profile["serving"]
         print(f"serving overhead: {1000 * sv['step_s']:.2f} ms per step + {1000 * sv['per_seq_s']:.3f} ms per streamed "
-              f"token; {1000 * sv['request_s']:.1f} ms per request before the engine; prefill x"
-              f"{sv['prefill_scale']:.2f} inside the server")
+              f"token + {1000 * sv.get('per_request_s', 0.0):.2f} ms per request + "
+              f"{1e6 * sv.get('per_prefill_token_s', 0.0):.1f} us per prefill token; {1000 * sv['request_s']:.1f} ms "
+              "per request before the engine")
     print(f"wrote {args.out}")
     return 0
 

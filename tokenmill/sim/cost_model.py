@@ -14,11 +14,17 @@ Roofline (a model shape on a catalog GPU, `tp` GPUs per worker):
 
 Calibrated (this machine, `tokenmill sim calibrate`): step_s = c · features, the coefficients fitted by
 non-negative least squares to the real engine's measured steps (calibrate.py), plus the serving overhead
-measured through a real `tokenmill serve` (what the engine thread loses to the HTTP side per step and per
-streamed token, and the per-request delay before a request reaches the engine):
+measured through a real `tokenmill serve` (what the engine loses to the serving side per step, per streamed
+token and per request, and the per-request delay before a request reaches the engine):
 
-    step_s += serving.step_s + serving.per_seq_s x logits;   request_overhead_s = serving.request_s
-    (prefill-token and attention coefficients x serving.prefill_scale)
+    step_s += serving.step_s + serving.per_seq_s x logits + serving.per_request_s x new_requests
+              + serving.per_prefill_token_s x prefill_tokens
+    request_overhead_s = serving.request_s
+    (prefill-token and attention coefficients x serving.prefill_scale: profiles before per_request_s)
+
+On a CPU the serving overhead is mostly CPU time: the engine's torch threads use every core, so each
+CPU-second the HTTP front-end and the client take (per step result, per streamed token, per request) delays
+the engine by about a second (docs/benchmarks/sim.md, "Fidelity on an AVX2 machine").
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from tokenmill.cli import CLIError
 from tokenmill.sim.hardware import Hardware
 from tokenmill.sim.models import ModelShape
 
-FEATURES = ("one", "prefill_tokens", "decode_seqs", "attn_pairs", "decode_ctx", "logits")
+FEATURES = ("one", "prefill_tokens", "decode_seqs", "attn_pairs", "decode_ctx", "logits", "mixed_decodes")
+# profiles calibrated before "mixed_decodes" (coefficient 0 for it: the same step times as then)
+FEATURES_V1 = FEATURES[:6]
 PROFILE_KIND = "tokenmill-sim-calibration"
 
 
@@ -46,6 +54,7 @@ class StepShape:
     decode_ctx: int = 0  # context tokens the decodes read
     prefill_ctx: int = 0  # context before the chunk that prefill chunks read
     logits: int = 0  # rows sent through the LM head
+    new_requests: int = 0  # requests scheduled for the first time (the serving side's per-request work)
 
     @staticmethod
     def of(sched) -> "StepShape":
@@ -62,10 +71,18 @@ class StepShape:
             else:
                 prefill += n
                 pctx += start
-        return StepShape(tokens, prefill, decodes, pairs, dctx, pctx, logits)
+        return StepShape(tokens, prefill, decodes, pairs, dctx, pctx, logits, len(sched.first_scheduled))
+
+    @property
+    def mixed_decodes(self) -> int:
+        """Decodes that share a step with prefill tokens. The engine runs a decode-only step on its fused
+        decode path and a mixed step on the general one, where each decode costs more (measured on an AVX2
+        CPU: a 16-token chunk beside 16 decodes took ~1.3x the fit without this term)."""
+        return self.decode_seqs if self.prefill_tokens else 0
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.prefill_tokens, self.decode_seqs, self.attn_pairs, self.decode_ctx, self.logits])
+        return np.array([1.0, self.prefill_tokens, self.decode_seqs, self.attn_pairs, self.decode_ctx, self.logits,
+                         self.mixed_decodes])
 
 
 class CostModel:
@@ -172,6 +189,8 @@ class Calibrated(CostModel):
     name: str = "calibrated"
 
     def __post_init__(self):
+        if len(self.coef) == len(FEATURES_V1):
+            self.coef = [*self.coef, 0.0]
         if len(self.coef) != len(FEATURES) or any(c < 0 for c in self.coef):
             raise CLIError(f"calibration profile: coef must be {len(FEATURES)} non-negative numbers ({FEATURES})")
         self._c = np.asarray(self.coef, dtype=np.float64)
@@ -182,6 +201,10 @@ class Calibrated(CostModel):
         c[3] *= scale
         c[0] += float(serving.get("step_s", 0.0))
         c[5] += float(serving.get("per_seq_s", 0.0))
+        c[1] += float(serving.get("per_prefill_token_s", 0.0))
+        self._per_request = float(serving.get("per_request_s", 0.0))
+        if self._per_request < 0:
+            raise CLIError("calibration profile: serving.per_request_s must be >= 0")
         self.request_overhead_s = float(serving.get("request_s", 0.0))
 
     def engine_step_s(self, s: StepShape) -> float:
@@ -190,8 +213,13 @@ class Calibrated(CostModel):
 
     def step_s(self, s: StepShape) -> float:
         c = self._c_list
-        return (c[0] + c[1] * s.prefill_tokens + c[2] * s.decode_seqs + c[3] * s.attn_pairs + c[4] * s.decode_ctx
-                + c[5] * s.logits)
+        t = (c[0] + c[1] * s.prefill_tokens + c[2] * s.decode_seqs + c[3] * s.attn_pairs + c[4] * s.decode_ctx
+             + c[5] * s.logits)
+        if s.prefill_tokens and s.decode_seqs:  # mixed_decodes (0 in a decode run: decode_run_s)
+            t += c[6] * s.decode_seqs
+        if s.new_requests:  # never in a decode run (decode_run_s): nothing is waiting there
+            t += self._per_request * s.new_requests
+        return t
 
     def decode_run_s(self, shape: StepShape, n: int) -> list[float]:
         if n < 2:
@@ -214,7 +242,7 @@ class Calibrated(CostModel):
         if not isinstance(data, dict) or data.get("kind") != PROFILE_KIND:
             raise CLIError(f"--hardware {path}: not a calibration profile (kind {PROFILE_KIND!r}); "
                            "make one with `tokenmill sim calibrate`")
-        if data.get("features") != list(FEATURES):
+        if data.get("features") not in (list(FEATURES), list(FEATURES_V1)):
             raise CLIError(f"--hardware {path}: features {data.get('features')} differ from {list(FEATURES)}; "
                            "calibrate again")
         return Calibrated(list(data["coef"]), data)

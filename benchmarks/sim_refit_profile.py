@@ -1,0 +1,67 @@
+"""Refit a calibration profile offline from measurements already taken (no new measurement):
+
+    python benchmarks/sim_refit_profile.py GRID.json SERVING.json OUT.json
+
+GRID.json: a profile whose `samples` are the grid steps (features[1:] + seconds, in grid order); they are refit
+with the current FEATURES on per-cell medians (a cell: consecutive samples of the same prefill chunk and decode
+count). SERVING.json: a profile whose `serving.dir` still holds the serving runs step trace (steps.jsonl) and
+`serving.runs` their windows; the serving terms are refit against the refit engine (calibrate.fit_serving).
+For when one part of `tokenmill sim calibrate` was measured on a quiet machine and the other was not, or the
+cost model gained a feature after the measurements (docs/benchmarks/sim.md, session 13)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+import numpy as np
+
+from tokenmill.sim.calibrate import cell_medians, fit_serving, serving_excess
+from tokenmill.sim.cost_model import FEATURES, Calibrated, StepShape, nnls
+
+
+def main() -> None:
+    if len(sys.argv) != 4:
+        sys.exit(__doc__)
+    grid, serving, out = sys.argv[1:4]
+    g = json.load(open(grid))
+    sv = json.load(open(serving))["serving"]
+    rows = g["samples"]  # [prefill_tokens, decode_seqs, attn_pairs, decode_ctx, logits, (mixed_decodes,) seconds]
+    samples, cells = [], []
+    for k, (_, grp) in enumerate(itertools.groupby(rows, key=lambda r: (r[0], r[1]))):
+        for r in grp:
+            shape = StepShape(tokens=int(r[0] + r[1]), prefill_tokens=int(r[0]), decode_seqs=int(r[1]),
+                              attn_pairs=r[2], decode_ctx=int(r[3]), logits=int(r[4]))
+            samples.append((shape, r[-1]))
+            cells.append((k,))
+    x, y = cell_medians(samples, cells)
+    coef = nnls(x, y, weights=1.0 / y)
+    rel = np.abs(x @ coef - y) / y
+    prof = {k: v for k, v in g.items() if k != "serving"}
+    prof.update(features=list(FEATURES), coef=[float(v) for v in coef],
+                fit={**g["fit"], "cells": len(y), "median_abs_rel_error": float(np.median(rel)),
+                     "p90_abs_rel_error": float(np.percentile(rel, 90)),
+                     "refit": f"{grid} grid samples, per-cell medians, features {list(FEATURES)}"},
+                samples=[[*s.features().tolist()[1:], t] for s, t in samples])
+    fit = Calibrated(prof["coef"], {})
+    steps = [json.loads(line) for line in open(sv["dir"] + "/steps.jsonl")]
+    runs = [dict(r, **serving_excess([d for d in steps if r["t0"] <= d["t0"] <= r["t1"]], fit.engine_step_s))
+            for r in sv["runs"]]
+    terms = fit_serving(runs)
+    one = runs[0]
+    p = one["prompt"]
+    first = StepShape(tokens=p, prefill_tokens=p, attn_pairs=p * (p + 1) / 2, logits=1, new_requests=1)
+    request_s = max(0.0, one["ttft_s"] - Calibrated(prof["coef"], {"serving": terms}).step_s(first))
+    for r in runs:
+        r.pop("rows")
+    prof["serving"] = {**terms, "request_s": request_s, "other_cpu_share": sv["other_cpu_share"], "runs": runs,
+                       "dir": sv["dir"], "refit": f"{serving} serving runs against the refit engine"}
+    json.dump(prof, open(out, "w"), indent=1)
+    print("coef (us)", {k: round(v * 1e6, 3) for k, v in zip(FEATURES, coef)},
+          f"fit median {np.median(rel):.3f} p90 {np.percentile(rel, 90):.3f}")
+    print("serving (ms)", {k: round(v * 1e3, 4) for k, v in terms.items()}, f"request_s {1e3 * request_s:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
