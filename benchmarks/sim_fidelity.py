@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_common import _stop, wait_ready  # noqa: E402
 
 from tokenmill.hardware import capabilities  # noqa: E402
+from tokenmill.sim.calibrate import machine_busy_s, process_cpu_s  # noqa: E402
 
 PY = sys.executable
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -44,25 +45,6 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 def load_flags(args, rate: float) -> list[str]:
     return ["--workload", args.workload, "--rate", f"{rate:g}", "--num-requests", str(args.num_requests),
             "--seed", str(args.seed), "--no-plots"] + sum((["--slo", s] for s in args.slo), [])
-
-
-def _cpu_s(pid: int) -> float:
-    """utime + stime of a live process, from /proc (Linux); 0.0 where it cannot be read."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def _system_busy_s() -> float:
-    """CPU seconds all processes of the machine have used since boot (/proc/stat: everything but idle and
-    iowait); 0.0 where it cannot be read."""
-    try:
-        f = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 def _children(pid: int) -> list[int]:
@@ -87,19 +69,19 @@ def run_real(args, rate: float, out: Path, repeat: int = 0) -> dict:
     try:
         wait_ready(server, url, log)
         procs = {"front-end": server.pid, **{f"core-{c}": c for c in _children(server.pid)}}
-        before = {k: _cpu_s(p) for k, p in procs.items()}
+        before = {k: process_cpu_s(p) for k, p in procs.items()}
         bench0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        sys0 = _system_busy_s()
+        sys0 = machine_busy_s()
         t0 = time.perf_counter()
         subprocess.run([PY, "-m", "tokenmill", "bench", "--target", url, "--model", args.model, "--tokenizer",
                         args.tokenizer, "--out", str(dest), "--no-progress"] + load_flags(args, rate),
                        check=True, env=ENV, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - t0
         bench1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = {k: _cpu_s(p) - before[k] for k, p in procs.items()}
+        cpu = {k: process_cpu_s(p) - before[k] for k, p in procs.items()}
         cpu["bench"] = (bench1.ru_utime + bench1.ru_stime) - (bench0.ru_utime + bench0.ru_stime)
         # what the rest of the machine used meanwhile (other users' jobs: a run with much of it is not quiet)
-        cpu["other"] = max(0.0, _system_busy_s() - sys0 - sum(cpu.values()))
+        cpu["other"] = max(0.0, machine_busy_s() - sys0 - sum(cpu.values()))
         (dest / "cpu.json").write_text(json.dumps({"wall_s": wall, "cpu_s": cpu}, indent=1) + "\n")
         return json.loads((dest / "result.json").read_text())
     finally:

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.model.test_precision import load_train_demo
+from tests.model.test_precision import load_train_demo, random_linear
 from tests.parity import hf_logits, hf_model, make_req, rel_err
 from tokenmill.engine.scoring import Scorer, heldout_quality
 from tokenmill.errors import ModelLoadError, TokenmillError
@@ -40,15 +40,10 @@ def test_fp8_quantize_rows_is_the_nearest_e4m3_value_times_a_row_scale():
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_fp8_linear_method_is_the_dequantized_product(rows):
-    from tokenmill.model.linear import Fp8LinearMethod, Linear
+    from tokenmill.model.linear import Fp8LinearMethod
 
     g = torch.Generator().manual_seed(rows)
-    lin = Linear(96, 64, bias=True, method=Fp8LinearMethod())
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(64, 96, generator=g) * 0.1)
-        lin.bias.copy_(torch.randn(64, generator=g))
-    w = lin.weight.detach().clone()
-    lin.method.process_weights_after_loading(lin)
+    lin, w = random_linear(Fp8LinearMethod(), g)
     assert lin.weight.numel() == 0 and lin.w_fp8.dtype == torch.float8_e4m3fn  # the float weight is not kept
     x = torch.randn(rows, 96, generator=g)
     # the reference, by hand: per-channel weight scale and per-token activation scale, both max|.| / 448, values

@@ -221,17 +221,26 @@ def test_vnni_small_rows_equal_the_int8_gemm_path(dtype, rows, k, n):
     assert not torch.equal(out, torch.zeros_like(out))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 40])
-def test_int8_linear_method_is_w8a8_of_the_plain_layer(rows):
-    from tokenmill.model.linear import Int8LinearMethod, Linear
+def random_linear(method, g: torch.Generator):
+    """A 96 -> 64 Linear with bias under `method`, random weights (from `g`) loaded and processed; returns it and
+    a copy of its float weight."""
+    from tokenmill.model.linear import Linear
 
-    g = torch.Generator().manual_seed(rows)
-    lin = Linear(96, 64, bias=True, method=Int8LinearMethod())
+    lin = Linear(96, 64, bias=True, method=method)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(64, 96, generator=g) * 0.1)
         lin.bias.copy_(torch.randn(64, generator=g))
     w = lin.weight.detach().clone()
     lin.method.process_weights_after_loading(lin)
+    return lin, w
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_int8_linear_method_is_w8a8_of_the_plain_layer(rows):
+    from tokenmill.model.linear import Int8LinearMethod
+
+    g = torch.Generator().manual_seed(rows)
+    lin, w = random_linear(Int8LinearMethod(), g)
     assert lin.weight.numel() == 0 and lin.w8.dtype == torch.int8  # the float weight is not kept
     x = torch.randn(rows, 96, generator=g)
     ref = F.linear(x, w, lin.bias)

@@ -36,19 +36,15 @@ W8A8 = {
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_w8a8(src, dst, scale_shape="N1", qc=W8A8):
-    """A compressed-tensors int8 W8A8 copy of the float checkpoint `src`: each projection's weight as int8
-    [N, K] (symmetric, per output channel, scale = max|w_n| / 127) plus its fp32 weight_scale."""
+def _rewrite_projections(src, dst, quantize, qc):
+    """A copy of the float checkpoint `src` with each projection's weight replaced by `quantize(w)` -> (stored
+    weight, weight_scale), and `qc` as its quantization_config."""
     shutil.copytree(src, dst)
     (f,) = list(dst.glob("*.safetensors"))
-    tensors = load_file(str(f))
     out = {}
-    for name, t in tensors.items():
+    for name, t in load_file(str(f)).items():
         if name.endswith(".weight") and name.split(".")[-2] in PROJ:
-            w = t.float()
-            scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
-            out[name] = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-            out[name[:-len("weight")] + "weight_scale"] = scale[:, None] if scale_shape == "N1" else scale
+            out[name], out[name[:-len("weight")] + "weight_scale"] = quantize(t.float())
         else:
             out[name] = t
     save_file(out, str(f))
@@ -56,6 +52,17 @@ def write_w8a8(src, dst, scale_shape="N1", qc=W8A8):
     cfg["quantization_config"] = qc
     (dst / "config.json").write_text(json.dumps(cfg))
     return dst
+
+
+def write_w8a8(src, dst, scale_shape="N1", qc=W8A8):
+    """A compressed-tensors int8 W8A8 copy of the float checkpoint `src`: each projection's weight as int8
+    [N, K] (symmetric, per output channel, scale = max|w_n| / 127) plus its fp32 weight_scale."""
+    def quantize(w):
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return q, scale[:, None] if scale_shape == "N1" else scale
+
+    return _rewrite_projections(src, dst, quantize, qc)
 
 
 @pytest.mark.parametrize("preset, scale_shape", [("tiny", "N1"), ("tiny-qwen2", "N")])  # qwen2: qkv bias
@@ -177,22 +184,11 @@ for _k in ("weights", "input_activations"):
 def write_fp8(src, dst):
     """llm-compressor's FP8_DYNAMIC layout, by hand: each projection's weight as float8_e4m3fn [N, K] (symmetric, per
     output channel, scale = max|w_n| / 448) plus its weight_scale [N, 1]."""
-    shutil.copytree(src, dst)
-    (f,) = list(dst.glob("*.safetensors"))
-    out = {}
-    for name, t in load_file(str(f)).items():
-        if name.endswith(".weight") and name.split(".")[-2] in PROJ:
-            w = t.float()
-            scale = w.abs().amax(dim=1, keepdim=True) / 448.0
-            out[name] = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-            out[name[:-len("weight")] + "weight_scale"] = scale.to(torch.bfloat16).float()  # as stored in bf16
-        else:
-            out[name] = t
-    save_file(out, str(f))
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["quantization_config"] = FP8
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
+    def quantize(w):
+        scale = w.abs().amax(dim=1, keepdim=True) / 448.0
+        return (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale.to(torch.bfloat16).float()  # bf16-stored
+
+    return _rewrite_projections(src, dst, quantize, FP8)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen2"])

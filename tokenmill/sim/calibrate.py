@@ -86,7 +86,7 @@ def calibrate(model: str, grid: Grid = Grid(), engine_kwargs: dict | None = None
     max_len = engine.max_model_len
     ids = itertools.count()
     t_start = time.perf_counter()
-    busy0, own0 = _machine_busy_s(), time.process_time()
+    busy0, own0 = machine_busy_s(), time.process_time()
 
     def add(n: int, max_tokens: int) -> str:
         rid = f"cal-{next(ids)}"
@@ -121,7 +121,7 @@ def calibrate(model: str, grid: Grid = Grid(), engine_kwargs: dict | None = None
             drain()
         log(f"  context {c}: {len(rec.samples)} samples so far ({time.perf_counter() - t_start:.0f} s)")
     elapsed = time.perf_counter() - t_start
-    other = max(0.0, _machine_busy_s() - busy0 - (time.process_time() - own0)) / elapsed if elapsed > 0 else 0.0
+    other = max(0.0, machine_busy_s() - busy0 - (time.process_time() - own0)) / elapsed if elapsed > 0 else 0.0
     if other > 0.1:
         log(f"  warning: other processes used {other:.2f} cores of this machine during the grid; its step times "
             "include their interference (calibrate on a quiet machine)")
@@ -153,7 +153,7 @@ def write_profile(profile: dict, out: str | Path) -> None:
     out.write_text(json.dumps(profile, indent=1) + "\n")
 
 
-def _cpu_s(pid: int) -> float:
+def process_cpu_s(pid: int) -> float:
     """utime + stime of a live process (Linux /proc); 0.0 where it cannot be read."""
     import os
 
@@ -164,7 +164,7 @@ def _cpu_s(pid: int) -> float:
         return 0.0
 
 
-def _machine_busy_s() -> float:
+def machine_busy_s() -> float:
     """CPU seconds every process of the machine used since boot (/proc/stat, all but idle and iowait)."""
     import os
 
@@ -283,9 +283,9 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], runs=SERV
             out = tmp / f"c{c}-p{p}-o{o}-s{spread:g}"
             n = max(3 * c, 12)
             pids = {"front-end": server.pid, **{f"core-{q}": q for q in core_pids}}
-            cpu0 = {k: _cpu_s(q) for k, q in pids.items()}
+            cpu0 = {k: process_cpu_s(q) for k, q in pids.items()}
             ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            m0 = _machine_busy_s()
+            m0 = machine_busy_s()
             t0 = time.perf_counter()
             subprocess.run([py, "-m", "tokenmill", "bench", "--target", url, "--model", model, "--tokenizer", tok,
                             "--workload", f"batch:prompt={p},output={o},spread={spread:g}", "--concurrency", str(c),
@@ -293,9 +293,9 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], runs=SERV
                            check=True, env=env, stdout=subprocess.DEVNULL)
             t1 = time.perf_counter()
             ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-            cpu = {k: _cpu_s(q) - cpu0[k] for k, q in pids.items()}
+            cpu = {k: process_cpu_s(q) - cpu0[k] for k, q in pids.items()}
             cpu["bench"] = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
-            cpu["other"] = max(0.0, _machine_busy_s() - m0 - sum(cpu.values()))
+            cpu["other"] = max(0.0, machine_busy_s() - m0 - sum(cpu.values()))
             s = json.loads((out / "result.json").read_text())["summary"]
             log(f"  serving: {c} streams, prompt {p}, output {o} (spread {spread:g}): "
                 f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms, "
