@@ -77,8 +77,8 @@ def decode_batch1(llm, prompt, n=128, rounds=3):
     """(ms per decode step of one request, weight bytes a decode step reads). A decode step's time is TPOT: the
     request's time to n tokens minus its time to the first one (the prompt's prefill, which reads the same
     weights but computes a 32-token GEMM), over the n - 1 decode steps between: (T(n) - T(1)) / (n - 1), each T the
-    best of `rounds`, interleaved. (Before session 13 this was T(n) / n, the prefill included: ~10% more on the 40M
-    model, ~7% on the 427M one.)"""
+    best of `rounds`, interleaved. (Before session 13 this was T(n) / n, the prefill included: ~3% more on the 40M
+    model.)"""
     from tokenmill import SamplingParams
 
     llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))
