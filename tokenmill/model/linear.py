@@ -288,15 +288,18 @@ class Fp8LinearMethod(UnquantizedLinearMethod):
     in the model dtype (not measured safe in fp8)."""
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
-        w = layer.weight.detach()
-        n, k = w.shape
-        if w.device.type == "cuda" and (n % 16 or k % 16):
-            raise ModelLoadError(f"--quantization fp8: a [{n}, {k}] projection; torch._scaled_mm on CUDA needs both "
+        self._use_fp8(layer, *fp8_quantize_rows(layer.weight.detach()))
+
+    @staticmethod
+    def _use_fp8(layer: "Linear", q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Keep e4m3 weights `q` [N, K] with per-output-channel fp32 `scale` (N values) for apply()."""
+        n, k = q.shape
+        if q.device.type == "cuda" and (n % 16 or k % 16):
+            raise ModelLoadError(f"fp8 weights: a [{n}, {k}] projection; torch._scaled_mm on CUDA needs both "
                                  "dimensions divisible by 16")
-        q, s = fp8_quantize_rows(w)
-        layer.w_fp8 = q  # [N, K] row-major: its .t() is the column-major [K, N] operand _scaled_mm wants
-        layer.w_scale = s.reshape(1, n).contiguous()  # [1, N] fp32
-        layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)  # freed
+        layer.w_fp8 = q.contiguous()  # [N, K] row-major: its .t() is the column-major [K, N] operand _scaled_mm wants
+        layer.w_scale = scale.float().reshape(1, n).contiguous()  # [1, N] fp32
+        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype, device=q.device), requires_grad=False)
         layer.packed = None
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
@@ -328,15 +331,7 @@ class CheckpointFp8LinearMethod(Fp8LinearMethod):
         scale = layer.weight_scale.detach()
         if not bool(torch.isfinite(scale).all()) or bool((scale <= 0).any()):
             raise ModelLoadError("checkpoint weight_scale holds a non-positive or non-finite scale")
-        w = layer.weight.detach()
-        n, k = w.shape
-        if w.device.type == "cuda" and (n % 16 or k % 16):
-            raise ModelLoadError(f"fp8 checkpoint: a [{n}, {k}] projection; torch._scaled_mm on CUDA needs both "
-                                 "dimensions divisible by 16")
-        layer.w_fp8 = w.contiguous()
-        layer.w_scale = scale.reshape(1, n).contiguous()
-        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.float32, device=w.device), requires_grad=False)
-        layer.packed = None
+        self._use_fp8(layer, layer.weight.detach(), scale)
 
 
 LINEAR_METHODS: dict[str, Callable[[], LinearMethod]] = {"none": UnquantizedLinearMethod, "int8": Int8LinearMethod,

@@ -189,7 +189,7 @@ def check_fp8(device: torch.device) -> None:
         if cap < (8, 9):
             raise ModelLoadError(f"--quantization fp8 needs fp8 tensor cores (CUDA sm89+: Ada, Hopper, Blackwell); "
                                  f"{torch.cuda.get_device_name(device)} is sm{cap[0]}{cap[1]} (use int8 or none)")
-        from tokenmill.model.linear import FP8, Fp8LinearMethod  # noqa: F401 - the probe below is its call
+        from tokenmill.model.linear import FP8
 
         a = torch.zeros(16, 32, device=device).to(FP8)
         b = torch.zeros(16, 32, device=device).to(FP8)
