@@ -3,6 +3,7 @@ model (teacher-forced through the serving path; weights, activations and KV cach
 against HF transformers beside HF's own bf16 error.
 
     python benchmarks/precision_quality.py --windows 12
+    python benchmarks/precision_quality.py --rows "fp8 W8A8, fp32 activations" "fp32, fp8 KV cache" --presets
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=12, help="held-out windows of --seq-len tokens")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--presets", nargs="*", default=["tiny", "tiny-llama3", "tiny-qwen2", "tiny-qwen3"])
+    ap.add_argument("--rows", nargs="*", default=None, help="only these precision rows (their names as printed)")
     args = ap.parse_args()
     from tokenmill.engine.scoring import Scorer, heldout_quality
     from tokenmill.hardware import capabilities
@@ -45,8 +47,15 @@ def main() -> int:
             ("fp32, bf16 KV cache", torch.float32, "none", torch.bfloat16),
             ("fp32, int8 KV cache", torch.float32, "none", torch.int8),
             ("bf16, int8 KV cache", torch.bfloat16, "none", torch.int8),
-            ("bf16 + int8 W8A8, int8 KV cache", torch.bfloat16, "int8", torch.int8)]
+            ("bf16 + int8 W8A8, int8 KV cache", torch.bfloat16, "int8", torch.int8),
+            ("fp8 W8A8, fp32 activations", torch.float32, "fp8", None),  # emulated on CPUs: the same numbers
+            ("fp32, fp8 KV cache", torch.float32, "none", torch.float8_e4m3fn)]
+    unknown = set(args.rows or ()) - {r[0] for r in rows}
+    if unknown:
+        ap.error(f"--rows: unknown {sorted(unknown)}; choose from {[r[0] for r in rows]}")
     for name, dtype, quant, kv in rows:
+        if args.rows is not None and name not in args.rows:
+            continue
         q = heldout_quality(Scorer("demo", dtype, quantization=quant, kv_dtype=kv), held, reference=ref,
                             chunk=512 if kv is None else 1)
         print(f"| {name} | {q['loss']:.4f} | {100 * (q['loss'] / base - 1):+.3f}% | {100 * q['agreement']:.1f}% |")
