@@ -2,6 +2,11 @@
 
     python benchmarks/gpu_precision.py --out /tmp/gpu            # on the device machine (CUDA)
     python benchmarks/gpu_precision.py --device cpu --preset tiny --layers 2 --tokens 8   # a smoke run anywhere
+    python benchmarks/gpu_precision.py --fake-cuda --preset small --tokens 4 --requests 2  # the CUDA path, no GPU
+
+`--fake-cuda` runs this script's CUDA path on a machine without a GPU (tokenmill/testing/fake_cuda.py: every op's
+shapes, dtypes and devices checked by PyTorch's fake tensors, no value computed; the bandwidth is a nominal
+4.8 TB/s and every time printed is meaningless): run it before spending a lent device's minutes.
 
 1. An 8B-shaped model (preset llama-3.1-8b, random weights; `--layers N` keeps N of its 32 layers: the ratio to
    the roofline is per layer, and fewer layers load faster) written once with `tokenmill model make`.
@@ -48,7 +53,21 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-cache-bytes", default="16GiB")
     ap.add_argument("--configs", default="bf16,fp8,fp8+fp8kv", help="comma list of bf16 | fp8 | fp8+fp8kv")
     ap.add_argument("--out", default="/tmp/gpu_precision")
+    ap.add_argument("--fake-cuda", action="store_true", help="a dry run of the CUDA path without a GPU (fake "
+                    "tensors: shapes, dtypes, devices checked; times meaningless)")
     args = ap.parse_args(argv)
+    if args.fake_cuda:
+        from tokenmill.testing.fake_cuda import fake_cuda
+
+        with fake_cuda() as fc:
+            rc = _run(args, fake=True)
+        print(f"# fake CUDA: {fc.executed} model steps ran on the fake device; logits/tokens "
+              f"{sorted({(str(d), dev) for d, dev, _ in fc.outputs})}")
+        return rc
+    return _run(args, fake=False)
+
+
+def _run(args, fake: bool) -> int:
 
     from tokenmill import LLM, SamplingParams
     from tokenmill.hardware import capabilities
@@ -66,9 +85,13 @@ def main(argv=None) -> int:
         make_model(args.preset, mdir, dtype="bfloat16",
                    overrides={"num_hidden_layers": args.layers} if args.layers else None)
         print(f"# made {args.preset} ({args.layers or 'all'} layers) in {time.perf_counter() - t:.0f} s")
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 32 << 20
-    bw = read_bandwidth(device, max(1 << 30, 4 * l2))
-    print(f"# read bandwidth {bw / 1e9:.0f} GB/s (x.sum() over {max(1 << 30, 4 * l2) >> 20} MiB)")
+    if fake:
+        bw = 4.8e12
+        print("# read bandwidth: nominal 4800 GB/s (fake CUDA: nothing measured)")
+    else:
+        l2 = torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else 32 << 20
+        bw = read_bandwidth(device, max(1 << 30, 4 * l2))
+        print(f"# read bandwidth {bw / 1e9:.0f} GB/s (x.sum() over {max(1 << 30, 4 * l2) >> 20} MiB)")
 
     rows, results = [], {"device": caps.to_json(), "torch": torch.__version__, "bandwidth_bps": bw, "configs": {}}
     g = torch.Generator().manual_seed(0)
@@ -100,7 +123,7 @@ def main(argv=None) -> int:
         results["configs"][name] = r
         rows.append((name, r))
         del llm, model
-        if device.type == "cuda":
+        if device.type == "cuda" and not fake:
             torch.cuda.empty_cache()
     base = results["configs"].get("bf16", {}).get("output_tok_s")
     print("\n| config | batch-1 ms/token | weight bytes/step | roofline ms | % of roofline | output tok/s "

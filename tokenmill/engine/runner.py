@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.model.attention import SCALED_KV_CACHES, AttentionMetadata, ScaledKVCache, SeqSpan
+from tokenmill.model.attention import SCALED_KV_CACHES, AttentionMetadata, KVBlockGroups, ScaledKVCache, SeqSpan
 from tokenmill.model.config import ModelConfig
 from tokenmill.model.linear import PackedWeight, small_row_bits
 from tokenmill.model.llama import LlamaModel
@@ -102,6 +102,8 @@ class ModelRunner:
                 model.fused = model.fused_mixed = None
         else:
             self.kv_caches = [_zeros(shape, self.kv_dtype, device) for _ in range(cfg.num_hidden_layers)]
+        # a 1-byte cache off the CPU is written by attention.write_kv_scaled: its blocks grouped here, on the host
+        self._host_kv_groups = scaled is not None and device.type != "cpu"
         if device.type == "cpu":
             _keep_freed_memory()
             from tokenmill.model.cpu_kernels import get_kernels
@@ -234,6 +236,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots), spans=spans, decode_token_idx=None, decode_block_tables=None,
             decode_ctx_lens=None, decode_mask=None, sliding_window=self.sliding_window)
+        if self._host_kv_groups:
+            meta.kv_groups = KVBlockGroups.of(slots, bs, self._tensor)
         if dec_idx:
             width = max(len(t) for t in dec_tables)
             meta.decode_token_idx = self._tensor(dec_idx)
@@ -285,6 +289,8 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=rows[2], spans=[], decode_token_idx=idx,
                                  decode_block_tables=self._tensor(tables), decode_ctx_lens=rows[3], decode_mask=None,
                                  sliding_window=self.sliding_window)
+        if self._host_kv_groups:
+            meta.kv_groups = KVBlockGroups.of(slots, bs, self._tensor)
         hidden = self.model(rows[0], rows[1], self.kv_caches, meta)
         offsets = list(range(n))
         if greedy:

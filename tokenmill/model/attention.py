@@ -48,6 +48,32 @@ class AttentionMetadata:
     # layer computes only these rows past its attention (KV of every row is still written) and the model returns
     # [R, hidden]. None: every row. The runner sets it for steps with prefill chunks.
     logits_rows: torch.Tensor | None = None
+    # for a 1-byte KV cache written by `write_kv_scaled` off the CPU: the step's blocks grouped on the host
+    # (`KVBlockGroups.of`), so the write reads no sizes or flags back from the device (torch.unique and a
+    # Python `if` on a tensor each wait for the GPU: two per layer per step). None: computed on the device.
+    kv_groups: "KVBlockGroups | None" = None
+
+
+@dataclass
+class KVBlockGroups:
+    """The blocks a step writes, as `write_kv_scaled` groups them: the distinct blocks (sorted), each new
+    token's index among them, and each block's first written offset (0: a fresh block)."""
+
+    blocks: torch.Tensor  # [U] long, sorted
+    inverse: torch.Tensor  # [T] long: slot t writes into blocks[inverse[t]]
+    first_offset: torch.Tensor  # [U] long
+
+    @staticmethod
+    def of(slots: list[int], block_size: int, to_device) -> "KVBlockGroups":
+        first: dict[int, int] = {}
+        for s in slots:
+            b, o = divmod(s, block_size)
+            if o < first.get(b, block_size):
+                first[b] = o
+        blocks = sorted(first)
+        index = {b: i for i, b in enumerate(blocks)}
+        return KVBlockGroups(to_device(blocks), to_device([index[s // block_size] for s in slots]),
+                             to_device([first[b] for b in blocks]))
 
 
 class ScaledKVCache:
@@ -138,25 +164,31 @@ def _cpu_kernels(q: torch.Tensor, cache):
     return None
 
 
-def write_kv_scaled(cache: ScaledKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_scaled(cache: ScaledKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                    groups: KVBlockGroups | None = None) -> None:
     """The scheme of `Int8KVCache` in PyTorch, for either storage type (int8: the fallback and the tests'
-    reference for the C++ `write_kv_int8`; fp8: the only implementation)."""
+    reference for the C++ `write_kv_int8`; fp8: the only implementation). With `groups` (the blocks grouped on
+    the host: off the CPU) nothing is read back from the device: the same bits, every touched block's old rows
+    requantized unconditionally (rows whose scale did not grow get their own bits back)."""
     qmax = cache.qmax
     raw, stored = cache.raw(), cache.stored  # indexing on byte views: fp8 has no index kernels everywhere
     bs = cache.data.shape[3]
     blk, off = slot_mapping // bs, slot_mapping % bs
-    ublk, inv = torch.unique(blk, return_inverse=True)
-    o0 = torch.full((len(ublk),), bs, dtype=off.dtype, device=off.device).scatter_reduce(0, inv, off, "amin")
+    if groups is None:
+        ublk, inv = torch.unique(blk, return_inverse=True)
+        o0 = torch.full((len(ublk),), bs, dtype=off.dtype, device=off.device).scatter_reduce(0, inv, off, "amin")
+    else:
+        ublk, inv, o0 = groups.blocks, groups.inverse, groups.first_offset
     fresh = (o0 == 0)[:, None]  # [U, 1]
     valid_rows = torch.arange(bs, device=off.device)[None, :] < o0[:, None]  # [U, bs]
     for i, x in ((0, k), (1, v)):
         xf = x.float()
-        amax = torch.zeros(len(ublk), x.shape[1], device=x.device).scatter_reduce_(
+        amax = torch.zeros(ublk.shape[0], x.shape[1], device=x.device).scatter_reduce_(
             0, inv[:, None].expand(-1, x.shape[1]), xf.abs().amax(-1), "amax")  # [U, kvh]
         old = cache.scales[i][ublk]
         s = torch.where(fresh, amax / qmax, torch.maximum(old, amax / qmax))
         grow = ~fresh & (s > old)
-        if grow.any():
+        if groups is not None or grow.any():
             d = stored(raw[i][ublk]).float()  # [U, kvh, bs, hd]
             ratio = torch.where(s > 0, old / s, torch.zeros_like(s))
             sel = (grow[:, :, None] & valid_rows[:, None, :])[..., None]
@@ -230,7 +262,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "t
         if kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1:  # (int8 only: _cpu_kernels)
             kernels.write_kv_int8(kc, vc, k_sc, v_sc, k, v, meta.slot_mapping)
         else:
-            write_kv_scaled(cache, k, v, meta.slot_mapping)
+            write_kv_scaled(cache, k, v, meta.slot_mapping, meta.kv_groups)
     else:
         kc, vc, k_sc, v_sc = cache[0], cache[1], None, None
         if kernels is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
