@@ -146,3 +146,13 @@ def test_host_block_groups_match_a_hand_computation():
     assert g.blocks == [2, 5, 9]
     assert g.inverse == [1, 1, 0, 2]
     assert g.first_offset == [0, 3, 15]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"])
+def test_every_architecture_runs_its_cuda_path_sampled(model_dir, preset):
+    with fake_cuda() as fc:
+        llm = LLM(str(model_dir(preset)), device="cuda", dtype="bfloat16", quantization="fp8",
+                  max_num_batched_tokens=32)
+        outs = llm.generate(["hello world " * 10], SamplingParams(max_tokens=3, temperature=0.8, seed=1))
+    assert fc.executed >= 3 and {dev for _, dev, _ in fc.outputs} == {"cuda"}
+    assert outs[0].outputs[0].token_ids == [fc.token] * 3  # the placeholder logits' peak, sampled
