@@ -156,3 +156,20 @@ def test_every_architecture_runs_its_cuda_path_sampled(model_dir, preset):
         outs = llm.generate(["hello world " * 10], SamplingParams(max_tokens=3, temperature=0.8, seed=1))
     assert fc.executed >= 3 and {dev for _, dev, _ in fc.outputs} == {"cuda"}
     assert outs[0].outputs[0].token_ids == [fc.token] * 3  # the placeholder logits' peak, sampled
+
+
+def test_kv_tiers_store_and_load_through_the_cuda_path(tiny_dir, tmp_path):
+    """Blocks evicted from a small device cache go to the host tier (read_blocks: device -> host bytes) and come
+    back on a prefix hit (write_blocks: host bytes -> device), on the fake device."""
+    prompt = list(range(5, 69))  # 4 blocks
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    with fake_cuda():
+        llm = LLM(str(tiny_dir), device="cuda", dtype="bfloat16", block_size=16, kv_host_bytes=1 << 20,
+                  kv_host_dir=str(tmp_path), kv_cache_bytes=6 * _block_bytes(tiny_dir, torch.bfloat16))
+        llm.generate([prompt], sp)
+        for i in range(3):  # other prompts push the first one's blocks out of the device cache
+            llm.generate([list(range(100 + 70 * i, 164 + 70 * i))], sp)
+        again = llm.generate([prompt + [9]], sp)
+    host = llm.engine.tiers.stats()["host"]
+    assert host["stores"] >= 4 and host["loaded_blocks"] >= 4
+    assert again[0].num_cached_tokens == 64

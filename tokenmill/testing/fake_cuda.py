@@ -203,7 +203,18 @@ def fake_cuda(capability: tuple[int, int] = (9, 0), name: str = "NVIDIA H200 (fa
         mock.patch.object(runner_mod.ModelRunner, "__init__", under_mode(runner_mod.ModelRunner.__init__)),
         mock.patch.object(runner_mod.ModelRunner, "execute", execute),
     ]
-    for name_ in ("read_kv_blocks", "write_kv_blocks", "read_blocks", "write_blocks"):
+    orig_read_blocks = runner_mod.ModelRunner.read_blocks
+
+    def read_blocks(self, block_ids):
+        """The KV tiers' copy to host memory: checked on the fake device, handed on as real zero bytes."""
+        with mode:
+            out = orig_read_blocks(self, block_ids)
+        if out.device.type != "cpu":
+            raise AssertionError(f"read_blocks returned a {out.device} tensor: the tiers need host bytes")
+        return torch.zeros(tuple(out.shape), dtype=out.dtype)
+
+    patches.append(mock.patch.object(runner_mod.ModelRunner, "read_blocks", read_blocks))
+    for name_ in ("read_kv_blocks", "write_kv_blocks", "write_blocks"):
         patches.append(mock.patch.object(runner_mod.ModelRunner, name_,
                                          under_mode(getattr(runner_mod.ModelRunner, name_))))
     capabilities.cache_clear()
