@@ -13,7 +13,9 @@ shapes, dtypes and devices checked by PyTorch's fake tensors, no value computed;
 2. HBM read bandwidth: the best of repeated `x.sum()` passes over a buffer 4x the GPU's L2 and at least 1 GiB.
 3. Batch-1 decode, bf16 and fp8 weights (`--quantization fp8`, torch._scaled_mm): ms per token (best of 3 runs of
    `--tokens` tokens after a 32-token prompt) against the roofline, the weight bytes one step reads
-   (`model.decode_read_bytes`) / the measured bandwidth. Target: bf16 >= 70% of the roofline.
+   (`model.decode_read_bytes`) / the measured bandwidth. Target: bf16 >= 70% of the roofline. `+graphs` configs run
+   the decode steps as captured CUDA graphs (`--cuda-graphs`, engine/graphs.py; max_model_len 1024): eager PyTorch
+   pays CPU time per launched kernel, ~1,500 per bf16 step of this shape (benchmarks/cuda_step_ops.py).
 4. Throughput, bf16 vs fp8 weights (and fp8 KV): `--requests` requests of 512 prompt + 128 output tokens, output
    tokens/s and the fp8 / bf16 ratio.
 Prints the tables with the device line; writes result.json under --out.
@@ -51,7 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=128, help="decode tokens per batch-1 run")
     ap.add_argument("--requests", type=int, default=64, help="throughput: requests of 512 + 128 tokens")
     ap.add_argument("--kv-cache-bytes", default="16GiB")
-    ap.add_argument("--configs", default="bf16,fp8,fp8+fp8kv", help="comma list of bf16 | fp8 | fp8+fp8kv")
+    ap.add_argument("--configs", default="bf16,bf16+graphs,fp8,fp8+graphs,fp8+fp8kv",
+                    help="comma list of bf16 | fp8 | fp8+fp8kv, each optionally +graphs (--cuda-graphs, max_model_len "
+                         "1024)")
     ap.add_argument("--out", default="/tmp/gpu_precision")
     ap.add_argument("--fake-cuda", action="store_true", help="a dry run of the CUDA path without a GPU (fake "
                     "tensors: shapes, dtypes, devices checked; times meaningless)")
@@ -99,10 +103,15 @@ def _run(args, fake: bool) -> int:
     prompts = [torch.randint(1, 1000, (512,), generator=g).tolist() for _ in range(args.requests)]
     dtype = "bfloat16" if device.type == "cuda" or caps.native_bf16 else "float32"
     for name in args.configs.split(","):
-        quant = "fp8" if name.startswith("fp8") else "none"
-        kv = "fp8" if name.endswith("fp8kv") else "auto"
+        parts = name.split("+")
+        if parts[0] not in ("bf16", "fp8") or not set(parts[1:]) <= {"fp8kv", "graphs"}:
+            print(f"unknown config {name!r} (bf16 | fp8 | fp8+fp8kv, each optionally +graphs)", file=sys.stderr)
+            return 2
+        quant = "fp8" if parts[0] == "fp8" else "none"
+        kv = "fp8" if "fp8kv" in parts else "auto"
+        graphs = dict(cuda_graphs=True, max_model_len=1024) if "graphs" in parts else {}
         llm = LLM(str(mdir), device=args.device, dtype=dtype, quantization=quant, kv_cache_dtype=kv,
-                  kv_cache_bytes=args.kv_cache_bytes, max_num_batched_tokens=8192)
+                  kv_cache_bytes=args.kv_cache_bytes, max_num_batched_tokens=8192, **graphs)
         model = llm.engine.runner.model
         one = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

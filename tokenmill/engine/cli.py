@@ -47,6 +47,10 @@ def add_engine_args(p, default_model: str = "demo") -> None:
     p.add_argument("--kv-disk-fsync", action="store_true",
                    help="fsync every disk tier entry before renaming it into place (default: no fsync; "
                         "checksums turn entries lost to a power failure into misses)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: decode steps replayed as captured CUDA graphs, one per batch-size bucket (1, 2, 4, .. "
+                        "up to min(max-num-seqs, 256, 262144 / max-model-len)): the CPU's per-op launch cost paid "
+                        "once per step; not with --kv-cache-dtype int8/fp8 (default: off; not yet run on a GPU)")
     p.add_argument("--kv-load-timeout", type=float, default=1.0, metavar="SECONDS",
                    help="a KV tier load still running after this long is abandoned and the request recomputes "
                         "(a hung or very slow disk); default 1.0")
@@ -75,7 +79,7 @@ def engine_config_from_args(args):
                         max_waiting_requests=args.max_waiting_requests, num_threads=args.num_threads, **tiers,
                         speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
                         speculative_max_k=args.speculative_max_k, prompt_lookup_min=args.prompt_lookup_min,
-                        prompt_lookup_max=args.prompt_lookup_max)
+                        prompt_lookup_max=args.prompt_lookup_max, cuda_graphs=args.cuda_graphs)
 
 
 def add_parser(sub) -> None:

@@ -68,6 +68,9 @@ class EngineConfig:
     speculative_max_k: int = 6  # auto's largest k
     prompt_lookup_min: int = 2  # ngram: shortest suffix matched
     prompt_lookup_max: int = 4  # ngram: longest suffix matched (tried first)
+    # CUDA: decode steps through captured CUDA graphs (engine/graphs.py); needs a CUDA device and a KV cache in the
+    # model's dtype (the int8 / fp8 KV write groups its blocks on the host each step)
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes)
@@ -101,6 +104,9 @@ class EngineConfig:
             (self.speculative_model is None or (isinstance(self.speculative_model, str) and self.speculative_model),
              "speculative_model must be demo-draft, ngram or a model directory"),
             (1 <= self.speculative_max_k <= 16, f"speculative_max_k must be in [1, 16], got {self.speculative_max_k}"),
+            (not self.cuda_graphs or self.kv_cache_dtype not in ("int8", "fp8", "fp8_e4m3"),
+             f"cuda_graphs (--cuda-graphs) cannot capture the {self.kv_cache_dtype} KV cache's write (its blocks are "
+             f"grouped on the host each step): use --kv-cache-dtype auto|bfloat16|float32"),
             (1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
              f"prompt lookup needs 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
              f"({self.prompt_lookup_max})"),

@@ -66,8 +66,19 @@ class LLMEngine:
         model = load_model(self.model_path, cfg, self.device, self.dtype, max_positions=self.max_model_len,
                            quantization=c.quantization)
         window = cfg.sliding_window if cfg.sliding_window and cfg.sliding_window < self.max_model_len else None
+        if c.cuda_graphs and self.device.type != "cuda":
+            raise ModelLoadError(f"cuda_graphs (--cuda-graphs) needs a CUDA device; the engine is on {self.device}")
         self.runner = ModelRunner(model, cfg, self.device, self.dtype, num_blocks, c.block_size, window,
-                                  kv_dtype=self.kv_dtype)
+                                  kv_dtype=self.kv_dtype, scratch_block=c.cuda_graphs)
+        if c.cuda_graphs:
+            from tokenmill.engine import graphs
+
+            b = graphs.max_graph_batch(c.max_num_seqs, self.max_model_len)
+            if b < 1:
+                raise ModelLoadError(f"cuda_graphs (--cuda-graphs): a captured decode step gathers max_model_len "
+                                     f"({self.max_model_len}) tokens per sequence per layer; lower --max-model-len "
+                                     f"to at most {graphs.GATHER_TOKENS}")
+            self.runner.enable_graphs(b, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, c.block_size, c.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_batched_tokens, c.max_num_seqs, c.max_waiting_requests),
                                    self.kv)
@@ -420,6 +431,10 @@ class LLMEngine:
             return ""
         return f"speculative decoding {c.speculative_model} k={c.num_speculative_tokens}; "
 
+    def _graphs_note(self) -> str:
+        g = self.runner.graphs
+        return "" if g is None else f"CUDA graphs for decode steps of 1..{g.max_batch} sequences; "
+
     def describe(self) -> str:
         c, cfg = self.config, self.model_config
         return (f"model {self.model_name} ({cfg.architecture}, {cfg.num_params() / 1e6:.1f}M params) on "
@@ -427,5 +442,6 @@ class LLMEngine:
                 f"{self._weights_note()}; KV cache ({str(self.kv_dtype).replace('torch.', '')}) {self.kv.pool.num_blocks} "
                 f"blocks x {c.block_size} = {self.kv_capacity_tokens} tokens; max_model_len {self.max_model_len}; "
                 f"prefix caching {'on' if c.enable_prefix_caching else 'off'}; "
+                f"{self._graphs_note()}"
                 f"{self._spec_note()}"
                 f"{self.tiers.describe() + '; ' if self.tiers is not None else ''}{capabilities().summary()}")

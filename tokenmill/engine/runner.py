@@ -78,7 +78,7 @@ class ModelOutput:
 class ModelRunner:
     def __init__(self, model: LlamaModel, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                  num_blocks: int, block_size: int, sliding_window: int | None = None,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, scratch_block: bool = False):
         self.model, self.cfg, self.device, self.dtype = model, cfg, device, dtype
         self.kv_dtype = kv_dtype or dtype  # the KV cache's storage type (--kv-cache-dtype; default: the model's)
         self.block_size = block_size
@@ -93,6 +93,11 @@ class ModelRunner:
 
         self.decode_fast_path = fast_path_by_env()
         self._aranges: dict[int, torch.Tensor] = {}
+        # captured decode graphs (--cuda-graphs: engine/graphs.py) pad their batches with rows that write into one
+        # block the KV manager never hands out: allocated past the last block it manages
+        self.scratch_block = num_blocks if scratch_block else None
+        self.graphs = None
+        num_blocks += 1 if scratch_block else 0
         shape = (2, num_blocks, cfg.num_key_value_heads, block_size, cfg.head_dim)
         scaled = SCALED_KV_CACHES.get(self.kv_dtype)
         if scaled is not None:  # int8 / fp8 data + one fp32 scale per (block, kv head) for K and V
@@ -109,6 +114,17 @@ class ModelRunner:
             from tokenmill.model.cpu_kernels import get_kernels
 
             get_kernels()  # compile (once per machine) before serving, not in the first request
+
+    def enable_graphs(self, max_batch: int, max_model_len: int, capture: str = "cuda") -> None:
+        """Decode steps of up to `max_batch` sequences through captured graphs (engine/graphs.py)."""
+        from tokenmill.engine.graphs import DecodeGraphs
+
+        if self.scratch_block is None:
+            raise ValueError("enable_graphs needs a runner built with scratch_block=True")
+        if self.kv_dtype in SCALED_KV_CACHES:
+            raise ValueError("CUDA graphs cannot capture the int8 / fp8 KV write (its blocks are grouped on the host)")
+        self.graphs = DecodeGraphs(self, max_batch, max_model_len, capture)
+        self.graphs.capture_all()
 
     @staticmethod
     def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -279,6 +295,9 @@ class ModelRunner:
             ctx.append(p + 1)
             tables.append(bt[: p // bs + 1])
         n = len(ids)
+        if self.graphs is not None and n <= self.graphs.max_batch:
+            hidden = self.graphs.run(ids, pos, slots, ctx, tables)
+            return self._decode_output(hidden, n, float_logits, greedy)
         if n > 1:
             width = max(map(len, tables))
             tables = [t + [0] * (width - len(t)) if len(t) < width else t for t in tables]
@@ -292,6 +311,9 @@ class ModelRunner:
         if self._host_kv_groups:
             meta.kv_groups = KVBlockGroups.of(slots, bs, self._tensor)
         hidden = self.model(rows[0], rows[1], self.kv_caches, meta)
+        return self._decode_output(hidden, n, float_logits, greedy)
+
+    def _decode_output(self, hidden: torch.Tensor, n: int, float_logits: bool, greedy: bool) -> ModelOutput:
         offsets = list(range(n))
         if greedy:
             tokens = self.model.greedy_tokens(hidden)

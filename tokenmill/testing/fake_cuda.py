@@ -214,6 +214,17 @@ def fake_cuda(capability: tuple[int, int] = (9, 0), name: str = "NVIDIA H200 (fa
         return torch.zeros(tuple(out.shape), dtype=out.dtype)
 
     patches.append(mock.patch.object(runner_mod.ModelRunner, "read_blocks", read_blocks))
+    from tokenmill.engine import graphs as graphs_mod
+
+    orig_graphs_init = graphs_mod.DecodeGraphs.__init__
+
+    def graphs_init(self, runner, max_batch, max_model_len, capture="cuda"):
+        """--cuda-graphs on the fake device: the same static buffers, padding and buckets, replayed eagerly (a
+        capture needs a GPU)."""
+        with mode:
+            orig_graphs_init(self, runner, max_batch, max_model_len, "eager")
+
+    patches.append(mock.patch.object(graphs_mod.DecodeGraphs, "__init__", graphs_init))
     for name_ in ("read_kv_blocks", "write_kv_blocks", "write_blocks"):
         patches.append(mock.patch.object(runner_mod.ModelRunner, name_,
                                          under_mode(getattr(runner_mod.ModelRunner, name_))))
