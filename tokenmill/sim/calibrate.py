@@ -238,7 +238,12 @@ def fit_serving_kinds(runs: list[dict]) -> dict[str, dict[str, float]]:
             continue
         x = np.array([f for f, _ in rows], dtype=np.float64)
         y = np.array([e for _, e in rows])
-        out[kind] = dict(zip(KIND_TERMS, (float(v) for v in nnls(x, y))))
+        # a regressor equal to an earlier one on every step cannot be told apart from it (prefill-only steps of
+        # one-chunk prompts: 1 request started = 1 token streamed): fitted on the earlier one alone, 0 for it
+        keep = [j for j in range(x.shape[1]) if not any(np.array_equal(x[:, i], x[:, j]) for i in range(j))]
+        coef = np.zeros(x.shape[1])
+        coef[keep] = nnls(x[:, keep], y)
+        out[kind] = dict(zip(KIND_TERMS, (float(v) for v in coef)))
     return out
 
 
