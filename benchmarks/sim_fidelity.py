@@ -208,7 +208,8 @@ def explain(args, rates: list[float], out: Path) -> None:
                 q = (lambda f: ratio[min(len(ratio) - 1, int(f * len(ratio)))] if ratio else 0.0)
                 per_kind.append((tag, kind, len(ix), sum(steps[i]["t1"] - steps[i]["t0"] for i in ix),
                                  sum(after[i] for i in ix if after[i] < 0.05),
-                                 sum(model.engine_step_s(shapes[i]) for i in ix), sum(model.step_s(shapes[i]) for i in ix),
+                                 sum(model.engine_step_s(shapes[i]) for i in ix),
+                                 sum(model.step_s(shapes[i]) for i in ix),
                                  q(0.1), q(0.5), q(0.9)))
             fit = sum(model.engine_step_s(x) for x in shapes)
             sim = sum(model.step_s(x) for x in shapes)

@@ -257,7 +257,8 @@ class Calibrated(CostModel):
 
     def step_s(self, s: StepShape) -> float:
         # step_kind, inline (the simulator's hot path)
-        c, per_request = self._k_decode if not s.prefill_tokens else (self._k_mixed if s.decode_seqs else self._k_prefill)
+        c, per_request = (self._k_decode if not s.prefill_tokens
+                          else self._k_mixed if s.decode_seqs else self._k_prefill)
         t = (c[0] + c[1] * s.prefill_tokens + c[2] * s.decode_seqs + c[3] * s.attn_pairs + c[4] * s.decode_ctx
              + c[5] * s.logits)
         if s.prefill_tokens and s.decode_seqs:  # mixed_decodes (0 in a decode run: decode_run_s)
