@@ -179,9 +179,10 @@ def main() -> None:
 def explain(args, rates: list[float], out: Path) -> None:
     """Per level and real run: the engine core's steps (TOKENMILL_STEP_TRACE) against the profile's model of
     the same step shapes, and the CPU the server and the bench client used."""
-    from tokenmill.sim.cost_model import Calibrated, StepShape
+    from tokenmill.sim.cost_model import STEP_KINDS, Calibrated, StepShape, step_kind
 
     model = Calibrated.load(args.profile)
+    per_kind = []  # (tag, kind, steps, real s, gap s, fit s, sim s)
     print("\n| run | steps | decode steps: mean seqs | real step ms | engine fit ms | real / fit | gap between "
           "steps ms | sim step ms (fit + serving) | (real step + gap) / sim | CPU s: core / front-end / bench / other "
           "per wall s |")
@@ -199,6 +200,17 @@ def explain(args, rates: list[float], out: Path) -> None:
             gaps = [b["t0"] - a["t1"] for a, b in zip(steps, steps[1:]) if b["t0"] - a["t1"] < 0.05]
             shapes = [StepShape(s["tokens"], s["prefill_tokens"], s["decode_seqs"], s["attn_pairs"], s["decode_ctx"],
                                 s["prefill_ctx"], s["logits"], s.get("new_requests", 0)) for s in steps]
+            after = [b["t0"] - a["t1"] for a, b in zip(steps, steps[1:])] + [0.0]  # the pause after each step
+            for kind in STEP_KINDS:
+                ix = [i for i, x in enumerate(shapes) if step_kind(x.prefill_tokens, x.decode_seqs) == kind]
+                ratio = sorted((steps[i]["t1"] - steps[i]["t0"] + (after[i] if after[i] < 0.05 else 0.0))
+                               / model.step_s(shapes[i]) for i in ix)  # per step: (real + gap) / sim
+                q = (lambda f: ratio[min(len(ratio) - 1, int(f * len(ratio)))] if ratio else 0.0)
+                per_kind.append((tag, kind, len(ix), sum(steps[i]["t1"] - steps[i]["t0"] for i in ix),
+                                 sum(after[i] for i in ix if after[i] < 0.05),
+                                 sum(model.engine_step_s(shapes[i]) for i in ix),
+                                 sum(model.step_s(shapes[i]) for i in ix),
+                                 q(0.1), q(0.5), q(0.9)))
             fit = sum(model.engine_step_s(x) for x in shapes)
             sim = sum(model.step_s(x) for x in shapes)
             dec = [s["decode_seqs"] for s in steps if s["prefill_tokens"] == 0]
@@ -213,6 +225,15 @@ def explain(args, rates: list[float], out: Path) -> None:
             print(f"| {tag} | {n} | {statistics.fmean(dec) if dec else 0:.1f} | {1000 * real / n:.2f} | "
                   f"{1000 * fit / n:.2f} | {real / fit:.3f} | {1000 * statistics.fmean(gaps) if gaps else 0:.3f} | "
                   f"{1000 * sim / n:.2f} | {(real + sum(gaps)) / sim:.3f} | {cpu_txt} |")
+    print("\nper step kind (gap: the pause after the step, pauses >= 50 ms left out):\n")
+    print("| run | kind | steps | real step ms | gap ms | engine fit ms | real / fit | sim step ms | "
+          "(real step + gap) / sim | per step: p10 / p50 / p90 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for tag, kind, n, real, gap, fit, sim, p10, p50, p90 in per_kind:
+        if n:
+            print(f"| {tag} | {kind} | {n} | {1000 * real / n:.2f} | {1000 * gap / n:.2f} | {1000 * fit / n:.2f} | "
+                  f"{real / fit:.3f} | {1000 * sim / n:.2f} | {(real + gap) / sim:.3f} | {p10:.2f} / {p50:.2f} / "
+                  f"{p90:.2f} |")
 
 
 if __name__ == "__main__":

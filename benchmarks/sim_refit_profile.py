@@ -1,13 +1,15 @@
 """Refit a calibration profile offline from measurements already taken (no new measurement):
 
-    python benchmarks/sim_refit_profile.py GRID.json SERVING.json OUT.json
+    python benchmarks/sim_refit_profile.py GRID.json SERVING.json OUT.json [--keep-engine]
 
 GRID.json: a profile whose `samples` are the grid steps (features[1:] + seconds, in grid order); they are refit
 with the current FEATURES on per-cell medians (a cell: consecutive samples of the same prefill chunk and decode
 count). SERVING.json: a profile whose `serving.dir` still holds the serving runs step trace (steps.jsonl) and
-`serving.runs` their windows; the serving terms are refit against the refit engine (calibrate.fit_serving).
+`serving.runs` their windows; the serving terms are refit against the refit engine (calibrate.fit_serving, or
+fit_serving_kinds where the runs are open-loop ones: per step kind).
 For when one part of `tokenmill sim calibrate` was measured on a quiet machine and the other was not, or the
-cost model gained a feature after the measurements (docs/benchmarks/sim.md, session 13)."""
+cost model gained a feature after the measurements (docs/benchmarks/sim.md, session 13). --keep-engine: GRID's
+engine fit as it is (coefficients and fit statistics), only the serving terms refit (session 14)."""
 
 from __future__ import annotations
 
@@ -17,16 +19,21 @@ import sys
 
 import numpy as np
 
-from tokenmill.sim.calibrate import cell_medians, fit_serving, serving_excess
+from tokenmill.sim.calibrate import cell_medians, fit_serving, fit_serving_kinds, serving_excess
 from tokenmill.sim.cost_model import FEATURES, Calibrated, StepShape, nnls
 
 
 def main() -> None:
-    if len(sys.argv) != 4:
+    argv = [a for a in sys.argv[1:] if a != "--keep-engine"]
+    if len(argv) != 3 or len(sys.argv) - 1 - len(argv) > 1:
         sys.exit(__doc__)
-    grid, serving, out = sys.argv[1:4]
+    grid, serving, out = argv
     g = json.load(open(grid))
     sv = json.load(open(serving))["serving"]
+    if "--keep-engine" in sys.argv:  # GRID's engine fit as it is: only the serving terms are refit
+        prof = {k: v for k, v in g.items() if k != "serving"}
+        coef, rel = np.array(g["coef"]), np.array([g["fit"]["median_abs_rel_error"]] * 2)
+        return refit_serving(prof, coef, rel, sv, serving, out)
     rows = g["samples"]  # [prefill_tokens, decode_seqs, attn_pairs, decode_ctx, logits, (mixed_decodes,) seconds]
     samples, cells = [], []
     for k, (_, grp) in enumerate(itertools.groupby(rows, key=lambda r: (r[0], r[1]))):
@@ -44,23 +51,32 @@ def main() -> None:
                      "p90_abs_rel_error": float(np.percentile(rel, 90)),
                      "refit": f"{grid} grid samples, per-cell medians, features {list(FEATURES)}"},
                 samples=[[*s.features().tolist()[1:], t] for s, t in samples])
+    refit_serving(prof, coef, rel, sv, serving, out)
+
+
+def refit_serving(prof: dict, coef, rel, sv: dict, serving: str, out: str) -> None:
     fit = Calibrated(prof["coef"], {})
     steps = [json.loads(line) for line in open(sv["dir"] + "/steps.jsonl")]
     runs = [dict(r, **serving_excess([d for d in steps if r["t0"] <= d["t0"] <= r["t1"]], fit.engine_step_s))
             for r in sv["runs"]]
-    terms = fit_serving(runs)
+    open_runs = [r for r in runs if "rate" in r]  # open-loop runs (session 14): terms per step kind
+    terms = {"kinds": fit_serving_kinds(open_runs)} if open_runs else fit_serving(runs)
+    pooled = fit_serving(open_runs) if open_runs else None
     one = runs[0]
     p = one["prompt"]
     first = StepShape(tokens=p, prefill_tokens=p, attn_pairs=p * (p + 1) / 2, logits=1, new_requests=1)
     request_s = max(0.0, one["ttft_s"] - Calibrated(prof["coef"], {"serving": terms}).step_s(first))
     for r in runs:
         r.pop("rows")
+        r.pop("kind_rows")
     prof["serving"] = {**terms, "request_s": request_s, "other_cpu_share": sv["other_cpu_share"], "runs": runs,
                        "dir": sv["dir"], "refit": f"{serving} serving runs against the refit engine"}
+    if pooled:
+        prof["serving"]["pooled"] = pooled
     json.dump(prof, open(out, "w"), indent=1)
     print("coef (us)", {k: round(v * 1e6, 3) for k, v in zip(FEATURES, coef)},
           f"fit median {np.median(rel):.3f} p90 {np.percentile(rel, 90):.3f}")
-    print("serving (ms)", {k: round(v * 1e3, 4) for k, v in terms.items()}, f"request_s {1e3 * request_s:.2f} ms")
+    print("serving", json.dumps(terms), f"request_s {1e3 * request_s:.2f} ms")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ from tokenmill.engine.kv.kv_manager import KVCacheManager
 from tokenmill.engine.request import Request
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
-from tokenmill.sim.calibrate import GAP_CAP_S, cell_medians, fit_serving, serving_excess
-from tokenmill.sim.cost_model import Calibrated, Roofline, StepShape, nnls
+from tokenmill.cli import CLIError
+from tokenmill.sim.calibrate import GAP_CAP_S, cell_medians, fit_serving, fit_serving_kinds, serving_excess
+from tokenmill.sim.cost_model import KIND_TERMS, STEP_KINDS, Calibrated, Roofline, StepShape, nnls, step_kind
 from tokenmill.sim.hardware import CATALOG as HW
 from tokenmill.sim.models import CATALOG as MODELS
 
@@ -163,3 +164,109 @@ def test_mixed_decodes_cost_only_in_steps_with_prefill_and_old_profiles_keep_the
     data["features"] = data["features"][:6]
     open(old_file, "w").write(json.dumps(data))
     assert Calibrated.load(old_file).step_s(mixed) == v1.step_s(mixed)
+
+
+# serving terms per step kind (session 14): (step_s, scale, per_seq_s, per_request_s) -- decode-only steps lose a
+# little per step and per token, mixed and prefill-only steps a share of their time (as the AVX2 server's trace)
+KINDS = {"decode": (0.4e-3, 0.05, 0.25e-3, 0.0), "mixed": (1.5e-3, 0.30, 0.1e-3, 2e-3),
+         "prefill": (0.5e-3, 0.40, 0.0, 4e-3)}
+
+
+def _kind_trace(rng, n_steps, kinds, fit):
+    """A synthetic open-loop step trace of decode-only, mixed and prefill-only steps whose steps + pauses exceed
+    the engine fit by each kind's own terms, part of it as the pause after the step."""
+    t, steps = 0.0, []
+    for i in range(n_steps):
+        kind = STEP_KINDS[int(rng.choice(3, p=[0.7, 0.2, 0.1]))]
+        d = 0 if kind == "prefill" else int(rng.integers(1, 25))
+        chunk = 0 if kind == "decode" else int(rng.integers(16, 600))
+        new = 0 if kind == "decode" else int(rng.integers(0, 3))
+        logits = d + (0 if kind == "decode" else int(rng.integers(0, 3)))
+        ctx = int(rng.integers(50, 800))
+        dd = dict(tokens=d + chunk, prefill_tokens=chunk, decode_seqs=d, attn_pairs=float(d * ctx + chunk * chunk / 2),
+                  decode_ctx=d * ctx, prefill_ctx=0, logits=logits, new_requests=new)
+        shape = StepShape(**dd)
+        a, scale, q, r = kinds[kind]
+        excess = a + scale * fit(shape) + q * logits + r * new
+        gap = excess * float(rng.uniform(0.1, 0.5))
+        dur = fit(shape) + excess - gap
+        dd.update(t0=t, t1=t + dur)
+        steps.append(dd)
+        t += dur + gap  # (idle pauses: test_serving_excess_leaves_idle_pauses_out)
+    return steps
+
+
+def test_serving_fit_per_step_kind_recovers_each_kinds_terms():
+    cal = Calibrated([*COEF, 3e-4], {})
+    rng = np.random.default_rng(1)
+    traces = [_kind_trace(rng, 1500, KINDS, cal.engine_step_s) for _ in range(2)]
+    runs = [serving_excess(t, cal.engine_step_s) for t in traces]
+    got = fit_serving_kinds(runs)
+    assert list(got) == list(STEP_KINDS) and all(list(t) == list(KIND_TERMS) for t in got.values())
+    for kind, want in KINDS.items():
+        for term, w, g in zip(KIND_TERMS, want, got[kind].values()):
+            assert g == pytest.approx(w, rel=0.01, abs=1e-6), (kind, term)
+    counts = {k: sum(r["by_kind"][k]["steps"] for r in runs) for k in STEP_KINDS}
+    assert sum(counts.values()) == 3000 and min(counts.values()) > 200
+    # the profile with these terms predicts each served step; one set of terms for every step (the method
+    # before) misses steps of some kind by more
+    served = Calibrated([*COEF, 3e-4], {"serving": {"kinds": got}})
+    pooled = Calibrated([*COEF, 3e-4], {"serving": fit_serving(runs)})
+    pooled_err = {}
+    for kind in STEP_KINDS:
+        shapes = [StepShape(**{k: v for k, v in d.items() if k not in ("t0", "t1")}) for t in traces for d in t
+                  if step_kind(d["prefill_tokens"], d["decode_seqs"]) == kind]
+        a, scale, q, r = KINDS[kind]
+        want = np.array([cal.engine_step_s(x) * (1 + scale) + a + q * x.logits + r * x.new_requests for x in shapes])
+        assert np.array([served.step_s(x) for x in shapes]) == pytest.approx(want, rel=0.01), kind
+        pooled_err[kind] = float(np.percentile(np.abs(np.array([pooled.step_s(x) for x in shapes]) / want - 1), 90))
+    assert max(pooled_err.values()) > 0.05, pooled_err  # p90 per step: one set of terms cannot fit them all
+
+
+def test_profile_with_terms_per_step_kind_charges_each_kind_its_own():
+    coef = [*COEF, 3e-4]
+    kinds = {k: dict(zip(KIND_TERMS, v)) for k, v in KINDS.items()}
+    cal, plain = Calibrated(coef, {"serving": {"kinds": kinds, "request_s": 0.005}}), Calibrated(coef, {})
+    decode = StepShape(tokens=8, decode_seqs=8, attn_pairs=2000.0, decode_ctx=1992, logits=8)
+    mixed = StepShape(tokens=72, prefill_tokens=64, decode_seqs=8, attn_pairs=4080.0, decode_ctx=1992, logits=9,
+                      new_requests=1)
+    prefill = StepShape(tokens=64, prefill_tokens=64, attn_pairs=2080.0, logits=1, new_requests=1)
+    for shape, kind in ((decode, "decode"), (mixed, "mixed"), (prefill, "prefill")):
+        a, scale, q, r = KINDS[kind]
+        f = plain.step_s(shape)
+        assert cal.step_s(shape) == pytest.approx(f * (1 + scale) + a + q * shape.logits + r * shape.new_requests)
+        assert cal.engine_step_s(shape) == pytest.approx(f)  # the engine alone stays the in-process fit
+    assert cal.request_overhead_s == 0.005
+
+
+@pytest.mark.parametrize("serving,match", [
+    ({"kinds": {"decode": {}, "mixed": {}}}, "exactly the step kinds"),
+    ({"kinds": {"decode": {}, "mixed": {}, "prefill": {}, "spec": {}}}, "exactly the step kinds"),
+    ({"kinds": {"decode": {"per_token_s": 1e-3}, "mixed": {}, "prefill": {}}}, "unknown terms"),
+    ({"kinds": {"decode": {"scale": -0.1}, "mixed": {}, "prefill": {}}}, ">= 0"),
+    ({"kinds": {"decode": {}, "mixed": {}, "prefill": {}}, "step_s": 1e-3}, "both `kinds`")])
+def test_terms_per_step_kind_that_the_model_does_not_understand_are_errors(serving, match):
+    with pytest.raises(CLIError, match=match):
+        Calibrated([*COEF, 0.0], {"serving": serving})
+
+
+def test_serving_fit_per_step_kind_does_not_split_a_cost_over_regressors_it_cannot_tell_apart():
+    """Prefill-only steps of one-chunk prompts: every step starts one request and streams one token, so the fit
+    cannot split the cost between per step, per token and per request; it keeps it on the first of them
+    (was: NNLS spread it evenly, e.g. 4.8 ms per step + 4.8 per token + 4.8 per request)."""
+    cal = Calibrated([*COEF, 3e-4], {})
+    rng = np.random.default_rng(3)
+    t, steps = 0.0, []
+    for _ in range(200):
+        chunk = int(rng.integers(16, 600))
+        d = dict(tokens=chunk, prefill_tokens=chunk, decode_seqs=0, attn_pairs=chunk * (chunk + 1) / 2,
+                 decode_ctx=0, prefill_ctx=0, logits=1, new_requests=1)
+        dur = cal.engine_step_s(StepShape(**d)) * 1.3 + 0.006
+        steps.append(dict(d, t0=t, t1=t + dur))
+        t += dur + 0.001
+    got = fit_serving_kinds([serving_excess(steps, cal.engine_step_s)])
+    # (the last step has no pause after it: a small bias)
+    assert got["prefill"]["step_s"] == pytest.approx(0.007, rel=0.02)
+    assert got["prefill"]["scale"] == pytest.approx(0.3, rel=0.02)
+    assert got["prefill"]["per_seq_s"] == got["prefill"]["per_request_s"] == 0.0
+    assert got["decode"] == got["mixed"] == dict.fromkeys(KIND_TERMS, 0.0)  # no steps of theirs: the fit alone

@@ -101,16 +101,21 @@ def test_decode_run_blocks_needed_equals_the_per_step_sum():
 
 def test_decode_run_times_in_one_pass_equal_step_by_step():
     """CostModel.decode_run_s (numpy, the fast-forward's planner) against the scalar step_s of each step of the
-    run (the base class's loop): equal bit for bit, roofline dense / MoE / TP and calibrated."""
+    run (the base class's loop): equal bit for bit, roofline dense / MoE / TP and calibrated (one set of serving
+    terms, and terms per step kind: a decode run takes the decode-only terms)."""
     from tokenmill.sim.cost_model import CostModel
 
     rng = np.random.default_rng(5)
     cal = Calibrated([0.002, 2e-5, 1e-4, 1e-8, 1e-7, 1e-4, 3e-4],
                      {"serving": {"step_s": 1e-4, "per_seq_s": 3e-6, "prefill_scale": 1.3, "per_request_s": 2e-3,
                                   "per_prefill_token_s": 1e-6}})
+    kinds = Calibrated([0.002, 2e-5, 1e-4, 1e-8, 1e-7, 1e-4, 3e-4], {"serving": {"kinds": {
+        "decode": {"step_s": 4e-4, "scale": 0.15, "per_seq_s": 2e-5, "per_request_s": 0.0},
+        "mixed": {"step_s": 1e-3, "scale": 0.3, "per_seq_s": 0.0, "per_request_s": 1e-3},
+        "prefill": {"step_s": 0.0, "scale": 0.4, "per_seq_s": 0.0, "per_request_s": 2e-3}}}})
     models = [Roofline(MODELS["llama-3.1-8b"], HW["h100"]), Roofline(MODELS["deepseek-v3"], HW["h200"]),
               Roofline(MODELS["llama-3.1-405b"], HW["b300"], replace(Roofline(MODELS["llama-3.1-8b"], HW["h100"]).p,
-                                                                     tp=4, dtype="fp8")), cal]
+                                                                     tp=4, dtype="fp8")), cal, kinds]
     for cost in models:
         for _ in range(40):
             d = int(rng.integers(1, 300))

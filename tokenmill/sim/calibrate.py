@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenmill.cli import CLIError
-from tokenmill.sim.cost_model import FEATURES, PROFILE_KIND, StepShape, nnls
+from tokenmill.sim.cost_model import FEATURES, KIND_TERMS, PROFILE_KIND, STEP_KINDS, StepShape, nnls, step_kind
 
 
 @dataclass(frozen=True)
@@ -189,18 +189,28 @@ def serving_excess(steps: list[dict], engine_step_s) -> dict:
     shape, plus the pause before the next step (the core's own loop and the front-end's wake-up; pauses over
     GAP_CAP_S are the engine waiting for work, not counted) -- in total and per step (`rows`: the step's
     regressors SERVING_TERMS and its excess)."""
-    rows = []
+    rows, kind_rows = [], []
+    by_kind = {k: {"steps": 0, "busy_s": 0.0, "gap_s": 0.0, "engine_fit_s": 0.0} for k in STEP_KINDS}
     for a, b in zip(steps, steps[1:] + [None]):
         gap = 0.0 if b is None else b["t0"] - a["t1"]
         gap = gap if gap <= GAP_CAP_S else 0.0
-        rows.append(([1.0, a["logits"], a.get("new_requests", 0), a["prefill_tokens"]],
-                     (a["t1"] - a["t0"]) + gap - engine_step_s(_shape(a))))
+        fit = engine_step_s(_shape(a))
+        excess = (a["t1"] - a["t0"]) + gap - fit
+        rows.append(([1.0, a["logits"], a.get("new_requests", 0), a["prefill_tokens"]], excess))
+        kind = step_kind(a["prefill_tokens"], a["decode_seqs"])
+        kind_rows.append((kind, [1.0, fit, a["logits"], a.get("new_requests", 0)], excess))  # KIND_TERMS' regressors
+        k = by_kind[kind]
+        k["steps"] += 1
+        k["busy_s"] += a["t1"] - a["t0"]
+        k["gap_s"] += gap
+        k["engine_fit_s"] += fit
     busy = sum(d["t1"] - d["t0"] for d in steps)
     fit = sum(engine_step_s(_shape(d)) for d in steps)
     return {"steps": len(steps), "tokens": sum(d["logits"] for d in steps),
             "requests": sum(d.get("new_requests", 0) for d in steps),
             "prefill_tokens": sum(d["prefill_tokens"] for d in steps), "busy_s": busy,
-            "engine_fit_s": fit, "excess_s": sum(e for _, e in rows), "rows": rows}
+            "engine_fit_s": fit, "excess_s": sum(e for _, e in rows), "by_kind": by_kind, "rows": rows,
+            "kind_rows": kind_rows}
 
 
 SERVING_TERMS = ("step_s", "per_seq_s", "per_request_s", "per_prefill_token_s")
@@ -215,29 +225,61 @@ def fit_serving(runs: list[dict]) -> dict[str, float]:
     return dict(zip(SERVING_TERMS, (float(v) for v in nnls(x, y))))
 
 
-# (streams, prompt, output, spread) of the serving runs: one stream of fixed lengths (the per-request delay,
-# from its TTFT), then closed loops with lognormal lengths (spread 0.5) so requests start and end at different
-# steps and prefill chunks run beside decodes, as they do in serving; one with short outputs, so the
-# per-request part of the overhead is told apart from the per-token part
-SERVING_RUNS = ((1, 128, 64, 0.0), (4, 256, 128, 0.5), (16, 256, 128, 0.5), (24, 256, 128, 0.5), (8, 128, 8, 0.5))
+def fit_serving_kinds(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """The serving terms per step kind (cost_model.STEP_KINDS: decode-only, mixed, prefill-only steps apart), by
+    non-negative least squares of each kind's steps' excess (serving_excess kind_rows, all runs) on KIND_TERMS'
+    regressors: 1, the step's engine fit (`scale`: a share of the step the served engine loses), streamed
+    tokens and requests started. A kind with no steps in the runs gets zeros (the engine fit alone)."""
+    out = {}
+    for kind in STEP_KINDS:
+        rows = [(f, e) for run in runs for k, f, e in run["kind_rows"] if k == kind]
+        if not rows:
+            out[kind] = dict.fromkeys(KIND_TERMS, 0.0)
+            continue
+        x = np.array([f for f, _ in rows], dtype=np.float64)
+        y = np.array([e for _, e in rows])
+        # a regressor equal to an earlier one on every step cannot be told apart from it (prefill-only steps of
+        # one-chunk prompts: 1 request started = 1 token streamed): fitted on the earlier one alone, 0 for it
+        keep = [j for j in range(x.shape[1]) if not any(np.array_equal(x[:, i], x[:, j]) for i in range(j))]
+        coef = np.zeros(x.shape[1])
+        coef[keep] = nnls(x[:, keep], y)
+        out[kind] = dict(zip(KIND_TERMS, (float(v) for v in coef)))
+    return out
 
 
-def measure_serving(profile: dict, model: str, engine_args: list[str], runs=SERVING_RUNS, port: int = 18473,
-                    log=print) -> dict:
-    """The serving overhead on top of the engine fit, from a real `tokenmill serve` (admission off) under closed
-    loops of C streams (fixed prompt and output lengths; `runs`), measured by `tokenmill bench` in its own
+# The serving runs. First one stream of fixed lengths, closed loop (the per-request delay before the engine, from
+# its TTFT); then open loops -- Poisson arrivals, as the fidelity runs and real traffic have them -- at rates from
+# light to heavy load of this CPU's demo model (~7 req/s of chat saturates it): the serving terms are fitted on
+# the open-loop runs' steps only. Closed loops (the method before session 14) saw about half of the loss
+# open-loop runs show at the same batch sizes (docs/benchmarks/sim.md, session 13). The workload is chat-shaped
+# (multi-turn sessions with prefix reuse, as served traffic) but not the fidelity check's: other lengths, turns
+# and seed.
+SERVING_ONE_STREAM = (1, 128, 64)  # (streams, prompt, output)
+SERVING_WORKLOAD = "chat:prompt=192,output=96,spread=0.8,turns_min=1,turns_max=4"
+SERVING_RATES = (1.5, 4.0, 6.5)
+SERVING_REQUESTS = 120
+SERVING_SEED = 7
+
+
+def measure_serving(profile: dict, model: str, engine_args: list[str], rates=SERVING_RATES,
+                    workload: str = SERVING_WORKLOAD, num_requests: int = SERVING_REQUESTS, seed: int = SERVING_SEED,
+                    port: int = 18473, log=print) -> dict:
+    """The serving overhead on top of the engine fit, from a real `tokenmill serve` (admission off) under open-loop
+    Poisson traffic (`workload` at each of `rates`, `num_requests` each) measured by `tokenmill bench` in its own
     process. The server's engine core writes every step it runs (TOKENMILL_STEP_TRACE): what the served engine
     lost beyond the in-process fit at each step (serving_excess: measured step + pause - fit of the same shape)
-    is regressed on the step's counts (fit_serving):
+    is regressed per step kind (decode-only, mixed, prefill-only: fit_serving_kinds) on the step's counts:
 
-        excess of a step = step_s + per_seq_s x tokens + per_request_s x requests started
-                           + per_prefill_token_s x prefill tokens                   (fitted over every step, >= 0)
-        TTFT_real(1 stream, prompt P) = request_s + (fit + serving terms)(the one prefill step of P)
+        excess of a step of kind k = kinds[k].step_s + kinds[k].scale x engine fit + kinds[k].per_seq_s x tokens
+                                     + kinds[k].per_request_s x requests started      (fitted over the open-loop
+                                                                                       runs' steps, >= 0)
+        TTFT_real(1 stream, prompt P, closed loop) = request_s + (fit + serving terms)(the one prefill step of P)
 
     On this kind of machine the excess is CPU time: the engine's torch threads use every core, and each
     CPU-second the front-end and the client take delays it by about one (the profile keeps their CPU seconds
     per run, `cpu_s`, beside the excess). The bench client shares the machine with the server, as it does in
-    the fidelity runs; the machine's other load during the runs is kept as `other_cpu_share` (cores)."""
+    the fidelity runs; the machine's other load during the runs is kept as `other_cpu_share` (cores).
+    `pooled` keeps the one-set fit (SERVING_TERMS, every kind together) of the same steps, for comparison."""
     import os
     import signal
     import subprocess
@@ -279,17 +321,21 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], runs=SERV
             core_pids = []
         import resource
 
-        for c, p, o, spread in runs:
-            out = tmp / f"c{c}-p{p}-o{o}-s{spread:g}"
-            n = max(3 * c, 12)
+        c, p, o = SERVING_ONE_STREAM
+        plan = [(f"c{c}-p{p}-o{o}", ["--workload", f"batch:prompt={p},output={o},spread=0", "--concurrency", str(c),
+                                      "--num-requests", "12"], {"concurrency": c, "prompt": p, "output": o})]
+        plan += [(f"open-{r:g}", ["--workload", workload, "--rate", f"{r:g}", "--num-requests", str(num_requests),
+                                  "--seed", str(seed)], {"rate": r, "workload": workload, "seed": seed})
+                 for r in rates]
+        for name, flags, meta in plan:
+            out = tmp / name
             pids = {"front-end": server.pid, **{f"core-{q}": q for q in core_pids}}
             cpu0 = {k: process_cpu_s(q) for k, q in pids.items()}
             ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             m0 = machine_busy_s()
             t0 = time.perf_counter()
             subprocess.run([py, "-m", "tokenmill", "bench", "--target", url, "--model", model, "--tokenizer", tok,
-                            "--workload", f"batch:prompt={p},output={o},spread={spread:g}", "--concurrency", str(c),
-                            "--num-requests", str(n), "--out", str(out), "--no-plots", "--no-progress"],
+                            *flags, "--out", str(out), "--no-plots", "--no-progress"],
                            check=True, env=env, stdout=subprocess.DEVNULL)
             t1 = time.perf_counter()
             ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -297,11 +343,9 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], runs=SERV
             cpu["bench"] = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
             cpu["other"] = max(0.0, machine_busy_s() - m0 - sum(cpu.values()))
             s = json.loads((out / "result.json").read_text())["summary"]
-            log(f"  serving: {c} streams, prompt {p}, output {o} (spread {spread:g}): "
-                f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms, "
-                f"TTFT p50 {s['ttft_ms']['p50']:.1f} ms")
-            results.append({"concurrency": c, "prompt": p, "output": o, "spread": spread, "requests": n,
-                            "t0": t0, "t1": t1,
+            log(f"  serving: {name}: TPOT p50 {s['tpot_ms']['p50']:.2f} ms, TTFT p50 {s['ttft_ms']['p50']:.1f} ms, "
+                f"{s.get('request_throughput') or 0:.2f} req/s")
+            results.append({"run": name, **meta, "requests": s.get("completed", None), "t0": t0, "t1": t1,
                             "wall_s": t1 - t0, "cpu_s": cpu, "tpot_s": s["tpot_ms"]["p50"] / 1000,
                             "ttft_s": s["ttft_ms"]["p50"] / 1000})
     finally:
@@ -317,17 +361,20 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], runs=SERV
         r.update(serving_excess([d for d in steps if r["t0"] <= d["t0"] <= r["t1"]], fit.engine_step_s))
     if not any(r["steps"] for r in results):
         raise CLIError(f"calibrate: the server wrote no step trace ({trace})")
-    terms = fit_serving(results)
+    open_runs = [r for r in results if "rate" in r]
+    kinds = fit_serving_kinds(open_runs)
+    pooled = fit_serving(open_runs)
     for r in results:
-        del r["rows"]
-    one = next((r for r in results if r["concurrency"] == 1), results[0])
+        del r["rows"], r["kind_rows"]
+    one = results[0]
     p = one["prompt"]
     first = StepShape(tokens=p, prefill_tokens=p, attn_pairs=p * (p + 1) / 2, logits=1, new_requests=1)
-    served = Calibrated(profile["coef"], {"serving": terms})
+    served = Calibrated(profile["coef"], {"serving": {"kinds": kinds}})
     request_s = max(0.0, one["ttft_s"] - served.step_s(first))
     wall = sum(r["wall_s"] for r in results)
     other = sum(r["cpu_s"]["other"] for r in results) / wall if wall else 0.0
     if other > 0.1:
         log(f"  warning: other processes used {other:.2f} cores of this machine during the serving runs; the "
             "serving overhead includes their interference (calibrate on a quiet machine)")
-    return {**terms, "request_s": float(request_s), "other_cpu_share": other, "runs": results, "dir": str(tmp)}
+    return {"kinds": kinds, "request_s": float(request_s), "other_cpu_share": other, "pooled": pooled,
+            "runs": results, "dir": str(tmp)}

@@ -125,10 +125,17 @@ def run_calibrate(args: argparse.Namespace) -> int:
     print("coefficients: " + ", ".join(f"{k}={v:.3g}" for k, v in zip(profile["features"], profile["coef"])))
     if "serving" in profile:
         sv = profile["serving"]
-        print(f"serving overhead: {1000 * sv['step_s']:.2f} ms per step + {1000 * sv['per_seq_s']:.3f} ms per streamed "
-              f"token + {1000 * sv.get('per_request_s', 0.0):.2f} ms per request + "
-              f"{1e6 * sv.get('per_prefill_token_s', 0.0):.1f} us per prefill token; {1000 * sv['request_s']:.1f} ms "
-              "per request before the engine")
+        if "kinds" in sv:
+            for k, t in sv["kinds"].items():
+                print(f"serving overhead, {k} steps: {1000 * t['step_s']:.2f} ms per step + engine fit x "
+                      f"{t['scale']:.3f} + {1000 * t['per_seq_s']:.3f} ms per streamed token + "
+                      f"{1000 * t['per_request_s']:.2f} ms per request")
+            print(f"{1000 * sv['request_s']:.1f} ms per request before the engine")
+        else:
+            print(f"serving overhead: {1000 * sv['step_s']:.2f} ms per step + {1000 * sv['per_seq_s']:.3f} ms per "
+                  f"streamed token + {1000 * sv.get('per_request_s', 0.0):.2f} ms per request + "
+                  f"{1e6 * sv.get('per_prefill_token_s', 0.0):.1f} us per prefill token; {1000 * sv['request_s']:.1f} "
+                  "ms per request before the engine")
     print(f"wrote {args.out}")
     return 0
 

@@ -22,6 +22,12 @@ token and per request, and the per-request delay before a request reaches the en
     request_overhead_s = serving.request_s
     (prefill-token and attention coefficients x serving.prefill_scale: profiles before per_request_s)
 
+or, where the profile has `serving.kinds` (calibrated from open-loop runs, session 14), per step kind --
+decode-only, mixed (decodes beside prefill tokens) and prefill-only steps apart (STEP_KINDS, step_kind):
+
+    step_s = engine fit x (1 + kinds[k].scale) + kinds[k].step_s + kinds[k].per_seq_s x logits
+             + kinds[k].per_request_s x new_requests
+
 On a CPU the serving overhead is mostly CPU time: the engine's torch threads use every core, so each
 CPU-second the HTTP front-end and the client take (per step result, per streamed token, per request) delays
 the engine by about a second (docs/benchmarks/sim.md, "Fidelity on an AVX2 machine").
@@ -43,6 +49,15 @@ FEATURES = ("one", "prefill_tokens", "decode_seqs", "attn_pairs", "decode_ctx", 
 # profiles calibrated before "mixed_decodes" (coefficient 0 for it: the same step times as then)
 FEATURES_V1 = FEATURES[:6]
 PROFILE_KIND = "tokenmill-sim-calibration"
+# serving terms per step kind (serving.kinds): the decode-only, mixed and prefill-only steps of a served engine
+# lose different shares of their time to the serving side (docs/benchmarks/sim.md, sessions 13-14)
+STEP_KINDS = ("decode", "mixed", "prefill")
+KIND_TERMS = ("step_s", "scale", "per_seq_s", "per_request_s")
+
+
+def step_kind(prefill_tokens: int, decode_seqs: int) -> str:
+    """decode-only (no prefill tokens), mixed (prefill tokens beside decodes) or prefill-only."""
+    return "decode" if not prefill_tokens else ("mixed" if decode_seqs else "prefill")
 
 
 @dataclass(frozen=True)
@@ -194,31 +209,62 @@ class Calibrated(CostModel):
         if len(self.coef) != len(FEATURES) or any(c < 0 for c in self.coef):
             raise CLIError(f"calibration profile: coef must be {len(FEATURES)} non-negative numbers ({FEATURES})")
         self._c = np.asarray(self.coef, dtype=np.float64)
-        c = self._c_list = [float(c) for c in self.coef]
         serving = self.profile.get("serving") or {}
-        scale = float(serving.get("prefill_scale", 1.0))  # a prefill runs this much slower inside the server
-        c[1] *= scale
-        c[3] *= scale
-        c[0] += float(serving.get("step_s", 0.0))
-        c[5] += float(serving.get("per_seq_s", 0.0))
-        c[1] += float(serving.get("per_prefill_token_s", 0.0))
-        self._per_request = float(serving.get("per_request_s", 0.0))
-        if self._per_request < 0:
-            raise CLIError("calibration profile: serving.per_request_s must be >= 0")
+        kinds = serving.get("kinds")
+        if kinds is None:  # one set of serving terms for every step (profiles before session 14)
+            c = [float(c) for c in self.coef]
+            scale = float(serving.get("prefill_scale", 1.0))  # a prefill runs this much slower inside the server
+            c[1] *= scale
+            c[3] *= scale
+            c[0] += float(serving.get("step_s", 0.0))
+            c[5] += float(serving.get("per_seq_s", 0.0))
+            c[1] += float(serving.get("per_prefill_token_s", 0.0))
+            per_request = float(serving.get("per_request_s", 0.0))
+            if per_request < 0:
+                raise CLIError("calibration profile: serving.per_request_s must be >= 0")
+            self._kind = {k: (c, per_request) for k in STEP_KINDS}
+        else:
+            self._kind = {k: self._kind_terms(kinds, k) for k in STEP_KINDS}
+            flat = sorted(set(serving) & {"step_s", "per_seq_s", "per_request_s", "per_prefill_token_s",
+                                           "prefill_scale"})
+            if flat:
+                raise CLIError(f"calibration profile: serving has both `kinds` and the one-set terms {flat}; "
+                               "keep one of the two")
+        self._k_decode, self._k_mixed, self._k_prefill = (self._kind[k] for k in STEP_KINDS)
+        self._c_list = self._k_decode[0]  # decode runs (decode_run_s) are decode-only
         self.request_overhead_s = float(serving.get("request_s", 0.0))
+
+    def _kind_terms(self, kinds, kind: str) -> tuple[list[float], float]:
+        if not isinstance(kinds, dict) or set(kinds) != set(STEP_KINDS):
+            raise CLIError(f"calibration profile: serving.kinds must have exactly the step kinds {list(STEP_KINDS)}; "
+                           f"got {sorted(kinds) if isinstance(kinds, dict) else kinds!r}")
+        t = kinds[kind]
+        unknown = sorted(set(t) - set(KIND_TERMS)) if isinstance(t, dict) else None
+        if unknown is None or unknown:
+            raise CLIError(f"calibration profile: serving.kinds.{kind}: unknown terms {unknown}; known: "
+                           f"{list(KIND_TERMS)}")
+        v = {k: float(t.get(k, 0.0)) for k in KIND_TERMS}
+        if any(x < 0 for x in v.values()):
+            raise CLIError(f"calibration profile: serving.kinds.{kind}: terms must be >= 0 ({v})")
+        c = [x * (1.0 + v["scale"]) for x in self.coef]
+        c[0] += v["step_s"]
+        c[5] += v["per_seq_s"]
+        return c, v["per_request_s"]
 
     def engine_step_s(self, s: StepShape) -> float:
         """The engine alone (no serving overhead): the in-process fit."""
         return float(self._c @ s.features())
 
     def step_s(self, s: StepShape) -> float:
-        c = self._c_list
+        # step_kind, inline (the simulator's hot path)
+        c, per_request = (self._k_decode if not s.prefill_tokens
+                          else self._k_mixed if s.decode_seqs else self._k_prefill)
         t = (c[0] + c[1] * s.prefill_tokens + c[2] * s.decode_seqs + c[3] * s.attn_pairs + c[4] * s.decode_ctx
              + c[5] * s.logits)
         if s.prefill_tokens and s.decode_seqs:  # mixed_decodes (0 in a decode run: decode_run_s)
             t += c[6] * s.decode_seqs
         if s.new_requests:  # never in a decode run (decode_run_s): nothing is waiting there
-            t += self._per_request * s.new_requests
+            t += per_request * s.new_requests
         return t
 
     def decode_run_s(self, shape: StepShape, n: int) -> list[float]:
