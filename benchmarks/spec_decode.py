@@ -158,6 +158,9 @@ def bench_interleaved(title: str, configs: dict[str, dict], prompts: list[list[i
             rates = {b: {k: round(a.rate()) for k, a in sorted(st.arms.items())} for b, st in sorted(g.buckets.items())}
             print(f"\n{n}: guard (bucket: cap, probes) {caps}, cap switches {g.num_switches}, "
                   f"measured tok/s per cap {rates}")
+            if hasattr(g, "matched_rates"):  # the content-matched rates the guard compares (session 14)
+                print(f"{n}: content-matched tok/s per cap "
+                      f"{ {b: {k: round(v) for k, v in g.matched_rates(b).items()} for b in sorted(g.buckets)} }")
     print(f"\n({time.perf_counter() - t_start:.0f} s)")
 
 
@@ -172,7 +175,8 @@ def cmd_batch1(a) -> None:
         configs[f"demo-draft k={k} general path"] = dict(speculative_model="demo-draft", num_speculative_tokens=k,
                                                           general_draft_path=True)
     configs["demo-draft auto"] = dict(speculative_model="demo-draft", num_speculative_tokens="auto")
-    configs["ngram k=4"] = dict(speculative_model="ngram", num_speculative_tokens=4)
+    for k in a.ngram_k:
+        configs[f"ngram k={k}"] = dict(speculative_model="ngram", num_speculative_tokens=k)
     configs["ngram auto"] = dict(speculative_model="ngram", num_speculative_tokens="auto")
     bench_interleaved("Batch 1, held-out code prompts", configs, prompts, a.max_tokens, 1, a.repeats)
 
@@ -181,10 +185,14 @@ def cmd_edit(a) -> None:
     e = LLMEngine(model=MODEL, kv_cache_bytes="64MiB")
     prompts = edit_prompts(e.tokenizer, a.prompts, a.prompt_len, a.format)
     del e
-    configs = {"off": {}, "ngram k=4": dict(speculative_model="ngram", num_speculative_tokens=4),
-               "ngram k=8": dict(speculative_model="ngram", num_speculative_tokens=8),
-               "ngram auto": dict(speculative_model="ngram", num_speculative_tokens="auto"),
-               "demo-draft k=3": dict(speculative_model="demo-draft", num_speculative_tokens=3)}
+    configs = {"off": {}}
+    for k in a.ngram_k:
+        configs[f"ngram k={k}"] = dict(speculative_model="ngram", num_speculative_tokens=k)
+    configs["ngram auto"] = dict(speculative_model="ngram", num_speculative_tokens="auto")
+    for k in a.draft_k:
+        configs[f"demo-draft k={k}"] = dict(speculative_model="demo-draft", num_speculative_tokens=k)
+    if a.draft_auto:
+        configs["demo-draft auto"] = dict(speculative_model="demo-draft", num_speculative_tokens="auto")
     bench_interleaved(f"Batch 1, edit workload (ngram), format {a.format}", configs, prompts, a.max_tokens, 1, a.repeats)
 
 
@@ -248,6 +256,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--ngram-k", type=int, nargs="*", default=[4], help="fixed k of the ngram configurations")
     p.add_argument("--general-k", type=int, nargs="*", default=[4],
                    help="also these k with the draft proposer's general path (one runner.execute per draft step)")
     p.set_defaults(func=cmd_batch1)
@@ -256,6 +265,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=160)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--ngram-k", type=int, nargs="*", default=[4, 8], help="fixed k of the ngram configurations")
+    p.add_argument("--draft-k", type=int, nargs="*", default=[3], help="fixed k of the demo-draft configurations")
+    p.add_argument("--draft-auto", action="store_true", help="also demo-draft with k = auto")
     p.add_argument("--format", choices=sorted(EDIT_FORMATS), default="reformatted",
                    help="the instruction between the code and its copy (before-after: one training never used)")
     p.set_defaults(func=cmd_edit)

@@ -64,6 +64,7 @@ class SpecDecoder:
         # before the guard weighs the step's rate; None until measured (mixed steps are not weighed until then)
         self.prefill_s_per_token: float | None = None
         self._step_accepted = 0  # drafts kept in this step (tokens emitted = decoding seqs + this)
+        self._step_seqs: dict[str, tuple[int, int]] = {}  # this step's (drafted, accepted) per verified request
         # diagnostics: TOKENMILL_SPEC_TRACE=FILE ({pid}: the process id) appends one JSON line per step (benchmarks/spec_trace.py reads it)
         path = os.environ.get("TOKENMILL_SPEC_TRACE")
         self._trace = open(path.replace("{pid}", str(os.getpid())), "a", buffering=1 << 16) if path else None
@@ -90,6 +91,7 @@ class SpecDecoder:
         self._shape = None
         self._guard_step = None
         self._step_accepted = 0
+        self._step_seqs = {}
         self._catchup = 0
         decoding = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
         if not decoding:
@@ -171,9 +173,11 @@ class SpecDecoder:
             return
         seconds = time.perf_counter() - self._t_plan
         decodes, prefill = 0, 0
+        counts = []  # per decode: (drafted, accepted), for the guard's content-matched comparison
         for s in sched.seqs:
             if s.num_logits and len(s.token_ids) == s.num_logits:  # a decode: its token and its drafts
                 decodes += 1
+                counts.append(self._step_seqs.get(s.request_id, (0, 0)))
             else:
                 prefill += len(s.token_ids)
         if decodes != gs[0]:  # not every planned decode ran (a preemption): not this cap's step
@@ -181,7 +185,7 @@ class SpecDecoder:
         guard = self.guard
         if guard is not None:
             if not prefill:
-                guard.observe(gs[0], gs[1], gs[0] + self._step_accepted, seconds)
+                guard.observe(gs[0], gs[1], gs[0] + self._step_accepted, seconds, counts)
             elif gs[1] == 0:  # no speculative work: the excess over a decode-only step is the target's prefill
                 base = guard.off_step_s(gs[0])
                 if base is not None:
@@ -192,7 +196,7 @@ class SpecDecoder:
                 # the chunk's share is not the cap's cost; what speculation adds to such a step (a new request's
                 # draft catch-up, verify rows) is
                 spec_s = seconds - self.prefill_s_per_token * prefill
-                guard.observe(gs[0], gs[1], gs[0] + self._step_accepted, max(spec_s, 0.25 * seconds))
+                guard.observe(gs[0], gs[1], gs[0] + self._step_accepted, max(spec_s, 0.25 * seconds), counts)
         if self._shape is not None and not prefill:
             self.cost.observe(*self._shape, seconds)
 
@@ -231,6 +235,7 @@ class SpecDecoder:
         return toks, a
 
     def _count(self, req: Request, drafts: list[int], a: int) -> None:
+        self._step_seqs[req.request_id] = (len(drafts), a)
         if drafts:
             st = self.stats
             st.num_drafts += 1

@@ -49,6 +49,27 @@ paid once per request while the cap is on: through the server at 16 sessions tha
 leaving those steps out made k = 1 look like a win there) and steps that carry a prefill chunk (their
 seconds less the chunk's share, estimated from steps without speculation).
 
+Content-matched comparison. N-gram acceptance is bursty (a repeated span accepts every draft, fresh code none),
+so per-cap rates measured on different steps compare different content: whichever cap ran during a repeated span
+looked best (session 12, batch-1 n-gram: {0: 250, 2: 175, 4: 260, 5: 543, 6: 1578} tok/s; auto 1.35x where a
+fixed k = 4 made 1.56x). The decoder therefore passes each step's per-sequence (drafted k_i, accepted a_i). A
+proposal under cap K' <= K is the first K' tokens of the one under K (n-gram: the same match, its first K'
+tokens; a draft model: the same autoregressive steps, cut earlier), so on the same step cap K' would have
+emitted min(a_i, K') + 1 tokens per sequence: known exactly. And to cover the content cap K covered in that step
+(a_i + 1 tokens) cap K' needs (a_i + 1) / (min(a_i, K') + 1) of its own steps (exactly 1 when a_i < K'; when a_i
+>= K' the next steps continue the same match). Per bucket and per window W (the steps run at caps >= W) the guard
+keeps, for every cap K' <= W, EMAs of the tokens and of the sequence-steps K' would have needed for them; the
+tokens per sequence-step of K' on window W is their ratio. An arm's seconds per step and sequences per step
+come from its own steps (the cost follows the rows run, not the content), so
+
+    rate(K' | W) = tokens per sequence-step of K' on W x (sequences / seconds) of K's own steps
+
+and two caps A, B are compared on the window max(A, B): content both were (or would have been) run on. Off
+is 1 token per sequence-step on any content; a smaller cap than the running one is compared on the running
+one's own steps; a larger one on its probes' steps (its extra acceptance is known only where it ran). A step
+without the per-sequence counts (tests with synthetic rates) leaves the window tables alone: the arm's own
+tokens/seconds are used then (the comparison of rates measured on different steps, as before).
+
 Each arm's rate is the ratio of two EMAs (tokens and seconds, per observation of that arm), so a step that
 emitted 5 tokens and one that emitted 1 weigh by their time. No clock is read here: the engine passes the
 measured seconds in (the policy and this guard run in the simulator as well).
@@ -96,12 +117,13 @@ def bucket(n: int) -> int:
 
 
 class _Arm:
-    __slots__ = ("tokens", "seconds", "samples")
+    __slots__ = ("tokens", "seconds", "samples", "nseq")
 
     def __init__(self):
         self.tokens = 0.0
         self.seconds = 0.0
         self.samples = 0
+        self.nseq = 0.0  # EMA of decoding sequences per step (same weights as seconds)
 
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
@@ -109,7 +131,7 @@ class _Arm:
 
 class _Bucket:
     __slots__ = ("cur", "arms", "steps", "next_probe", "interval", "probe_arm", "probe_left", "num_probes",
-                 "last_cap", "run", "seed", "base", "ladder", "pending", "win", "win_tail", "probe_cost")
+                 "last_cap", "run", "seed", "base", "ladder", "pending", "win", "win_tail", "probe_cost", "cf")
 
     def __init__(self, k_max: int, probe_every: int, first_probe: int):
         self.cur = k_max
@@ -129,6 +151,9 @@ class _Bucket:
         self.win: list[float] | None = None  # the open probe window: [seconds, tokens] of every step it touched
         self.win_tail = 0  # steps after the probe still counted to it (the transition back)
         self.probe_cost: float | None = None  # EMA of a probe's measured cost, seconds (vs the current arm)
+        # content-matched windows: cf[W][K'] = [tokens, sequence-steps K' would have needed, samples], EMAs over
+        # the steps run at caps >= W (every K' <= W updated together: the same steps)
+        self.cf: dict[int, dict[int, list[float]]] = {}
 
 
 class GoodputGuard:
@@ -198,7 +223,7 @@ class GoodputGuard:
             k = self._next_rung(b)
             if k is not None:
                 return k
-            on = [(a.rate(), k) for k, a in b.arms.items() if k and a.samples]
+            on = [(self._ratio(b, k, 0), k) for k, a in b.arms.items() if k and a.samples]
             return max(on)[1] if on else b.seed
         if b.num_probes % 2 == 0:
             return 0  # keep the off reference measured at this batch size
@@ -220,10 +245,10 @@ class GoodputGuard:
             # of every sequence per probe): then it waits their amortised interval (_window sets it)
             b.next_probe = b.steps + cfg.probe_len + cfg.settle
             return
-        best, best_rate = b.cur, cur.rate() * (1 + cfg.margin)
-        for k, arm in b.arms.items():
-            if k != b.cur and arm.samples >= cfg.min_samples and arm.rate() > best_rate:
-                best, best_rate = k, arm.rate()
+        best, best_score = b.cur, 1 + cfg.margin
+        for k, arm in b.arms.items():  # each challenger against the current arm on content both ran on
+            if k != b.cur and arm.samples >= cfg.min_samples and (s := self._ratio(b, k, b.cur)) > best_score:
+                best, best_score = k, s
         if best != b.cur and best == b.pending:  # the second win in a row: switch
             b.cur, b.pending = best, None
             self.num_switches += 1
@@ -272,7 +297,7 @@ class GoodputGuard:
                     # rung measured so far beats the current arm (a switch follows: the catch-ups are repaid)
                     wait = self._amortised(b)
                     if b.pending is None and (not ladder_open or (
-                            wait > self.cfg.probe_len * len(b.ladder) and not self._rung_wins(b, r))):
+                            wait > self.cfg.probe_len * len(b.ladder) and not self._rung_wins(b))):
                         b.next_probe = max(b.next_probe, b.steps + wait)
 
     def _next_rung(self, b: _Bucket) -> int | None:
@@ -285,34 +310,81 @@ class GoodputGuard:
         k = 4-6 best)."""
         min_s = self.cfg.min_samples
         off = b.arms.get(0)
-        bar = off.rate() / (1 + self.cfg.margin) if off is not None and off.samples >= min_s else None
+        off_measured = off is not None and off.samples >= min_s
+        lose = 1 / (1 + self.cfg.margin)
         prev = None
         for k in b.ladder or (b.seed,):
             a = b.arms.get(k)
             if a is None or a.samples < min_s:
                 return k
-            r = a.rate()
-            if bar is not None and prev is not None and r < bar and r < prev / (1 + self.cfg.margin):
+            if off_measured and prev is not None and self._ratio(b, k, 0) < lose and self._ratio(b, k, prev) < lose:
                 return None
-            prev = r
+            prev = k
         return None
 
-    def _rung_wins(self, b: _Bucket, cur_rate: float) -> bool:
-        """A measured rung of the ladder beats the current arm's rate by the margin."""
-        bar = cur_rate * (1 + self.cfg.margin)
-        return any(a.samples >= self.cfg.min_samples and a.rate() > bar
-                   for k in b.ladder if (a := b.arms.get(k)) is not None)
+    def _rung_wins(self, b: _Bucket) -> bool:
+        """A measured rung of the ladder beats the current arm by the margin (content-matched)."""
+        bar = 1 + self.cfg.margin
+        return any(a.samples >= self.cfg.min_samples and self._ratio(b, k, b.cur) > bar
+                   for k in b.ladder if k != b.cur and (a := b.arms.get(k)) is not None)
+
+    def _rate(self, b: _Bucket, k: int, w: int) -> float:
+        """Arm k's tokens/s on the content of the window w (steps run at caps >= w, w >= k): its tokens per
+        sequence-step there times its own steps' sequences per second. Without window counts (steps observed
+        without per-sequence counts, or fewer than min_samples of them): the arm's own tokens/seconds."""
+        a = b.arms.get(k)
+        if a is None or not a.seconds > 0:
+            return 0.0
+        c = b.cf.get(w, {}).get(k) if w > 0 else None
+        if c is None or c[2] < self.cfg.min_samples or not c[1] > 0 or not a.nseq > 0:
+            return a.rate()
+        return c[0] / c[1] * a.nseq / a.seconds
+
+    def _ratio(self, b: _Bucket, k: int, ref: int) -> float:
+        """Arm k's rate over arm ref's, both on the content of the window max(k, ref) (0: ref not measured)."""
+        w = max(k, ref)
+        r = self._rate(b, ref, w)
+        return self._rate(b, k, w) / r if r > 0 else 0.0
+
+    def _content(self, b: _Bucket, cap: int, seqs) -> None:
+        """A step under `cap` with per-sequence (drafted, accepted): for every window W <= cap and cap K' <= W,
+        the tokens it emitted and the sequence-steps K' would have needed for them (module docstring)."""
+        if cap <= 0:
+            return
+        d = self.cfg.decay
+        emitted = [a + 1 for _k, a in seqs]
+        tokens = float(sum(emitted))
+        need = [sum(e / (min(a, kk) + 1) for e, (_k, a) in zip(emitted, seqs)) for kk in range(cap + 1)]
+        for w in range(1, cap + 1):
+            tab = b.cf.get(w)
+            if tab is None:
+                tab = b.cf[w] = {}
+            for kk in range(w + 1):
+                c = tab.get(kk)
+                if c is None:
+                    c = tab[kk] = [0.0, 0.0, 0]
+                c[0] = d * c[0] + tokens
+                c[1] = d * c[1] + need[kk]
+                c[2] += 1
 
     def probe_cost(self, n: int) -> float | None:
         """The measured cost of a probe in this bucket, seconds (None: not measured)."""
         b = self.buckets.get(bucket(n))
         return b.probe_cost if b is not None else None
 
-    def observe(self, n: int, cap: int, tokens: int, seconds: float) -> None:
-        """A decode-only step with n decoding sequences ran under `cap`, emitted `tokens` in `seconds`."""
+    def observe(self, n: int, cap: int, tokens: int, seconds: float, seqs=None) -> None:
+        """A decode-only step with n decoding sequences ran under `cap`, emitted `tokens` in `seconds`. `seqs`:
+        per decoding sequence (drafted k_i <= cap, accepted a_i <= k_i), for the content-matched comparison."""
         if n <= 0 or tokens <= 0 or not seconds > 0:
             return
         b = self._get(n)
+        if seqs is not None:
+            if len(seqs) != n:
+                raise ValueError(f"guard observe: {len(seqs)} per-sequence counts for {n} decoding sequences")
+            for k, a in seqs:
+                if not 0 <= a <= k <= cap:
+                    raise ValueError(f"guard observe: accepted {a} / drafted {k} outside 0 <= a <= k <= cap {cap}")
+            self._content(b, cap, seqs)
         if b.win is not None:
             self._window(b, tokens, seconds)
         arm = b.arms.get(cap)
@@ -329,6 +401,7 @@ class GoodputGuard:
             seconds = min(seconds, self.cfg.outlier * mean)
         arm.tokens = d * arm.tokens + tokens
         arm.seconds = d * arm.seconds + seconds
+        arm.nseq = d * arm.nseq + n
         arm.samples += 1
 
     def off_step_s(self, n: int) -> float | None:
@@ -344,5 +417,13 @@ class GoodputGuard:
         return b.cur if b is not None else 0
 
     def rates(self, n: int) -> dict[int, float]:
+        """Each arm's tokens/s on its own steps (not content-matched)."""
         b = self.buckets.get(bucket(n))
         return {k: a.rate() for k, a in sorted(b.arms.items())} if b is not None else {}
+
+    def matched_rates(self, n: int) -> dict[int, float]:
+        """Each arm's tokens/s on the content of the window max(arm, current arm): what the guard compares."""
+        b = self.buckets.get(bucket(n))
+        if b is None:
+            return {}
+        return {k: self._rate(b, k, max(k, b.cur)) for k in sorted(b.arms)}
