@@ -44,10 +44,10 @@ def _with_graphs(llm, max_batch):
     return r
 
 
-@pytest.mark.parametrize("n", [1, 3, 5])
+@pytest.mark.parametrize("n", [1, 5])
 def test_padded_graph_steps_give_the_plain_decode_tokens(tiny_dir, monkeypatch, n):
-    """n sequences of different lengths (tables of different widths) decoded together: the graphs path (bucket 1, 4
-    or 8: padding rows write into the scratch block) emits exactly the plain path's tokens, and the scratch block
+    """n sequences of different lengths (tables of different widths) decoded together: the graphs path (bucket 1 or 8:
+    padding rows write into the scratch block) emits exactly the plain path's tokens, and the scratch block
     is the only one the padding touched."""
     prompts = [list(range(3 + i, 3 + i + 9 + 13 * i)) for i in range(n)]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -62,7 +62,7 @@ def test_padded_graph_steps_give_the_plain_decode_tokens(tiny_dir, monkeypatch, 
     assert r.graphs.replays >= 11  # every decode step of the batch went through the graphs path
     k = r.kv_caches[0]
     assert k.shape[1] == r.num_blocks + 1 and r.scratch_block == r.num_blocks
-    if n in (3, 5):  # padded buckets: the scratch block was written
+    if n == 5:  # a padded bucket (8): the scratch block was written
         assert k[:, r.scratch_block].abs().sum() > 0
 
 

@@ -23,13 +23,10 @@ def _generate(model, max_tokens=3, **kw):
 
 @pytest.mark.parametrize("kw, logits_dtype", [
     (dict(dtype="bfloat16"), torch.bfloat16),
-    (dict(dtype="float16"), torch.float16),
-    (dict(dtype="float32"), torch.float32),
-    (dict(dtype="bfloat16", quantization="fp8"), torch.bfloat16),
-    (dict(dtype="bfloat16", quantization="int8"), torch.bfloat16),
-    (dict(dtype="bfloat16", kv_cache_dtype="int8"), torch.bfloat16),
+    (dict(dtype="float16", quantization="int8"), torch.float16),
+    (dict(dtype="float32", kv_cache_dtype="int8"), torch.float32),
     (dict(dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8"), torch.bfloat16),
-], ids=["bf16", "fp16", "fp32", "fp8", "int8", "int8kv", "fp8+fp8kv"])
+], ids=["bf16", "fp16+int8", "fp32+int8kv", "fp8+fp8kv"])
 def test_every_precision_runs_its_cuda_path(tiny_dir, kw, logits_dtype):
     fc, llm, outs = _generate(str(tiny_dir), max_num_batched_tokens=32, **kw)
     assert llm.engine.device.type == "cuda"
@@ -148,7 +145,7 @@ def test_host_block_groups_match_a_hand_computation():
     assert g.first_offset == [0, 3, 15]
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama3", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("preset", ["tiny-mistral", "tiny-qwen3"])  # (tiny = Llama runs every test above)
 def test_every_architecture_runs_its_cuda_path_sampled(model_dir, preset):
     with fake_cuda() as fc:
         llm = LLM(str(model_dir(preset)), device="cuda", dtype="bfloat16", quantization="fp8",

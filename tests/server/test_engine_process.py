@@ -151,7 +151,7 @@ def test_schemathesis_finds_no_server_error(serve):
     t0 = time.time()
     for op in ops:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-            @settings(max_examples=75 if op.method.upper() == "POST" else 30, derandomize=True, database=None, deadline=None,
+            @settings(max_examples=50 if op.method.upper() == "POST" else 20, derandomize=True, database=None, deadline=None,
                       phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
             @given(case=op.as_strategy(generation_mode=mode))
             def fuzz(case):
@@ -166,9 +166,9 @@ def test_schemathesis_finds_no_server_error(serve):
                 assert mode == GenerationMode.NEGATIVE
     took = time.time() - t0
     assert not errors, errors[:3]
-    assert len(calls) >= 300, len(calls)
+    assert len(calls) >= 200, len(calls)
     assert sum(1 for _, code in calls if code == 200) >= 20  # some generation requests got through
-    assert sum(1 for _, code in calls if code == 400) >= 50  # and many invalid ones were refused cleanly
+    assert sum(1 for _, code in calls if code == 400) >= 35  # and many invalid ones were refused cleanly
     assert s.request("GET", "/health")[0] == 200
     status, _, body = s.request("POST", C, {"prompt": PROMPT, "max_tokens": 4})
     assert status == 200 and body["usage"]["completion_tokens"] == 4
