@@ -58,6 +58,10 @@ def main(argv=None) -> int:
     if not (mdir / "config.json").exists():
         make_model(args.preset, mdir, dtype="bfloat16",
                    overrides={"num_hidden_layers": args.layers} if args.layers else None)
+    from tokenmill.hardware import capabilities
+
+    print(f"# CPU: {capabilities().summary()}; the CUDA device is fake (tokenmill/testing/fake_cuda.py, sm90); "
+          f"torch {torch.__version__}")
     print("| config | decoding seqs | layers | aten ops / step | of which write device memory (launches) | "
           "launches / layer | launches / step at 32 layers |")
     print("|---|---:|---:|---:|---:|---:|---:|")
