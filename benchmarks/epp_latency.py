@@ -8,7 +8,9 @@
 
 Three processes: stub workers (one aiohttp process answering /health, /metrics and /v1/models on
 `--workers` ports: the picker probes them but never sends them requests), the real `tokenmill route
---epp-port` CLI, and this script playing Envoy's ext_proc filter (grpc.aio, FULL_DUPLEX_STREAMED): for
+--epp-port` CLI (by default as that CLI deploys it: its own HTTP/2 framing on uvloop), and a client playing
+Envoy's ext_proc filter (by default the C++ one, `epp_loadgen.cpp`, built with g++ at run time: Poisson
+arrivals, latency from the intended send time; `--client grpc` is grpc.aio), FULL_DUPLEX_STREAMED: for
 each request, on a fixed schedule (open loop: a late picker does not slow the offered rate), one gRPC
 stream sends the request headers and the body (a completion prompt: one of 8 shared 1,600-character
 system prompts + a unique question), then waits for the picker's answer. The decision latency is the time
@@ -30,9 +32,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import importlib.util
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -923,6 +927,18 @@ def verify_client(n: int, ports: list[int], args) -> int:
     return 0 if ok else 1
 
 
+def default_server() -> str:
+    """The picker `tokenmill route --epp-port` runs with its defaults: --epp-transport frames on --event-loop auto
+    (uvloop when it is installed)."""
+    return "picker-frames-uvloop" if importlib.util.find_spec("uvloop") is not None else "picker-frames"
+
+
+def default_client() -> str:
+    """The C++ client (a gateway's cost per request, latency from the intended send time) when it can be built;
+    else grpc.aio, whose own CPU per request on a shared 2-core box is ~3x the picker's."""
+    return "cpp" if shutil.which("g++") else "grpc"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rate", type=float, default=500.0, help="decisions per second offered (open loop)")
@@ -940,7 +956,7 @@ def main(argv=None) -> int:
     ap.add_argument("--client-loop", default="asyncio", choices=("asyncio", "uvloop"), help="the client's event "
                     "loop (default %(default)s)")
     ap.add_argument("--client", action="append", choices=CLIENTS, help="load clients to run, in order (default "
-                    "grpc): grpc = grpc.aio (what the tests use), raw = raw HTTP/2 frames (grpc_raw_client.py, needs h2), "
+                    "cpp when g++ is installed, else grpc): grpc = grpc.aio (what the tests use), raw = raw HTTP/2 frames (grpc_raw_client.py, needs h2), "
                     "cpp = epp_loadgen.cpp (built with g++ at run time; latency from the intended send time)")
     ap.add_argument("--verify-client", type=int, metavar="N", help="check the raw client against the grpc one: N "
                     "requests one after another to a fresh picker through each; the picks must be the same")
@@ -951,7 +967,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ttft-ms", type=float, default=30.0)
     ap.add_argument("--decode-ms", type=float, default=300.0)
     ap.add_argument("--server", action="append", choices=SERVERS, help="servers to run, in order (default: "
-                    "picker); baseline: the picker from --baseline-src; echo-aio / echo-sync: the gRPC floor, the same "
+                    "what `tokenmill route --epp-port` runs by default: picker-frames-uvloop, or picker-frames without "
+                    "uvloop); picker = the grpcio transport; baseline: the picker from --baseline-src; echo-aio / echo-sync: the gRPC floor, the same "
                     "messages with no picking")
     ap.add_argument("--baseline-src", metavar="DIR", help="PYTHONPATH of the `baseline` picker (e.g. `git archive "
                     "<commit> tokenmill | tar -x -C DIR`)")
@@ -1001,9 +1018,9 @@ def main(argv=None) -> int:
         wait_http(f"http://127.0.0.1:{ports[0]}/health")
         for placement in placements:
             for pattern in patterns:
-                for server in args.server or ["picker"]:
+                for server in args.server or [default_server()]:
                     for mode in (args.admission or ["off", "leading"]) if server in PICKERS else ["-"]:
-                        for client in args.client or ["grpc"]:
+                        for client in args.client or [default_client()]:
                             rows.append(run_one(server, mode, ports, args, stubs.pid, pattern, placement, client))
                             print("# row:", rows[-1][:10], rows[-1][10], rows[-1][-1], flush=True)
     finally:
