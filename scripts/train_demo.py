@@ -78,6 +78,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "copy from its prompt at all, and natural-text edit data alone did not grow them")
     p.add_argument("--induction-len", type=int, default=64, help="random tokens per --induction-steps row (x2)")
     p.add_argument("--induction-rows", type=int, default=16, help="rows per --induction-steps step")
+    p.add_argument("--induction-mix", type=int, default=0, metavar="ROWS",
+                   help="joint and sequence-UL phases: each target update also takes ROWS random token rows shown "
+                        "twice ([r, r], --induction-len tokens each, cross entropy on the repeat, weight "
+                        "--induction-weight) beside its text batch: the induction circuit grows beside the language "
+                        "model instead of in a phase of its own that the text steps then erase")
+    p.add_argument("--induction-weight", type=float, default=1.0, help="weight of the --induction-mix loss")
     p.add_argument("--edit-frac", type=float, default=0.0,
                    help="joint phase: this share of each batch's windows become an edit example: code from the "
                         "window, a marker line (one of EDIT_MARKERS: 'the same code again', 'with X renamed to Y', "
@@ -414,6 +420,16 @@ def with_edits(batch: torch.Tensor, step: int, frac: float, edits: "EditWindows 
     return out
 
 
+def induction_loss(model, rows: int, length: int, seed: int) -> torch.Tensor:
+    """Olsson et al. 2022's induction task: `rows` sequences [r, r] of `length` random tokens (ids >= 100: no
+    special or very frequent byte tokens), cross entropy on the second r only. Deterministic in the seed."""
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randint(100, VOCAB, (rows, length), generator=g)
+    seq = torch.cat([r, r], dim=1)
+    logits = model(input_ids=seq[:, :-1], use_cache=False).logits[:, length - 1 :]
+    return F.cross_entropy(logits.reshape(-1, VOCAB), seq[:, length:].reshape(-1))
+
+
 def generated_rows(args, data: "Batches") -> torch.Tensor:
     """--gen-distill data: for distillation step j, the rows of batch(skip + j) cut to their first --gen-prefix
     tokens, each followed by the --init target's greedy continuation of --gen-len tokens as tokenmill serves it
@@ -494,11 +510,7 @@ def train(args, target, draft, data: Batches) -> dict:
     log.setdefault("induction", [])
     for step in range(start, ind):
         # Olsson et al. 2022's induction task: [r, r] for random r, cross entropy on the second r only
-        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-        r = torch.randint(100, VOCAB, (args.induction_rows, args.induction_len), generator=g)
-        seq = torch.cat([r, r], dim=1)
-        logits = target(input_ids=seq[:, :-1], use_cache=False).logits[:, args.induction_len - 1 :]
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), seq[:, args.induction_len :].reshape(-1))
+        loss = induction_loss(target, args.induction_rows, args.induction_len, args.seed * 1_000_003 + step)
         opt_t.step(loss, opt_t.peak)
         if step % 20 == 0 or step == ind - 1:
             print(f"induction {step:4d}/{ind} repeat ce {loss.item():.3f} elapsed {time.time() - t0:.0f}s", flush=True)
@@ -514,6 +526,9 @@ def train(args, target, draft, data: Batches) -> dict:
         if args.unlikelihood:
             ul = unlikelihood(t_logits.view(*x.shape, VOCAB), x, batch[:, 1:], args.ul_window)
             t_obj = t_loss + args.unlikelihood * ul
+        if args.induction_mix:
+            ind_ce = induction_loss(target, args.induction_mix, args.induction_len, args.seed * 1_000_003 + 500_000 + step)
+            t_obj = t_obj + args.induction_weight * ind_ce
         opt_t.step(t_obj, lr_at(step, args.steps, opt_t.peak, warmup))
         d_logits = draft(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
         d_ce = F.cross_entropy(d_logits, y)
@@ -523,11 +538,15 @@ def train(args, target, draft, data: Batches) -> dict:
             el = time.time() - t0
             eta = el / (step + 1 - max(0, start - ind)) * (args.steps - step - 1)
             ul_s = f" ul {ul.item():.3f}" if args.unlikelihood else ""
+            if args.induction_mix:
+                ul_s += f" repeat ce {ind_ce.item():.3f}"
             print(f"joint {step:4d}/{args.steps} target ce {t_loss.item():.3f}{ul_s} draft ce {d_ce.item():.3f} "
                   f"elapsed {el:.0f}s eta {eta:.0f}s", flush=True)
             entry = {"step": step, "target_ce": round(t_loss.item(), 4), "draft_ce": round(d_ce.item(), 4)}
             if args.unlikelihood:
                 entry["target_ul"] = round(ul.item(), 4)
+            if args.induction_mix:
+                entry["repeat_ce"] = round(ind_ce.item(), 4)
             log["joint"].append(entry)
         maybe_checkpoint(ind + step + 1)
     log.setdefault("seq_ul", [])
@@ -543,12 +562,17 @@ def train(args, target, draft, data: Batches) -> dict:
         t_logits = target(input_ids=x, use_cache=False).logits
         t_loss = F.cross_entropy(t_logits.reshape(-1, VOCAB), y.reshape(-1))
         obj = t_loss + args.unlikelihood * unlikelihood(t_logits, x, y, args.ul_window) if args.unlikelihood else t_loss
+        if args.induction_mix:
+            ind_ce = induction_loss(target, args.induction_mix, args.induction_len, args.seed * 1_000_003 + 900_000 + step)
+            obj = obj + args.induction_weight * ind_ce
         opt_t.step(obj, lr)
         if step % 10 == 0 or step == args.seq_ul_steps - 1:
             print(f"seq-ul {step:4d}/{args.seq_ul_steps} repeating share {rep:.3f} seq ul {s_ul.item():.3f} "
-                  f"target ce {t_loss.item():.3f} elapsed {time.time() - t0:.0f}s", flush=True)
+                  f"target ce {t_loss.item():.3f}" + (f" repeat ce {ind_ce.item():.3f}" if args.induction_mix else "")
+                  + f" elapsed {time.time() - t0:.0f}s", flush=True)
             log["seq_ul"].append({"step": step, "repeat_share": round(rep, 4), "seq_ul": round(s_ul.item(), 4),
-                                  "target_ce": round(t_loss.item(), 4)})
+                                  "target_ce": round(t_loss.item(), 4)}
+                                 | ({"repeat_ce": round(ind_ce.item(), 4)} if args.induction_mix else {}))
         maybe_checkpoint(ind + args.steps + step + 1)
     target.eval()
     peak = opt_d.peak * 0.5
@@ -578,7 +602,7 @@ def checkpoint_args(args) -> dict:
     """The arguments a checkpoint must agree with to be resumed (not --segment-s, --out, --threads)."""
     keep = ("seed", "steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight", "init", "skip_batches",
             "unlikelihood", "ul_window", "seq_ul_steps", "seq_ul_prefix", "seq_ul_len", "copy_frac",
-            "edit_frac", "induction_steps", "induction_len", "induction_rows",
+            "edit_frac", "induction_steps", "induction_len", "induction_rows", "induction_mix", "induction_weight",
             "gen_distill", "gen_prefix", "gen_len", "argmax_weight")
     return {k: getattr(args, k) for k in keep}
 
@@ -700,7 +724,8 @@ def main(argv=None) -> int:
         "hyperparameters": {k: getattr(args, k) for k in ("steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight",
                                                            "unlikelihood", "ul_window", "seq_ul_steps",
                                                            "copy_frac", "edit_frac", "induction_steps", "induction_len",
-                                                           "induction_rows", "gen_distill", "gen_prefix",
+                                                           "induction_rows", "induction_mix", "induction_weight",
+                                                           "gen_distill", "gen_prefix",
                                                            "gen_len", "argmax_weight")},
         "heldout_eval": metrics,
         "train_log": log,
