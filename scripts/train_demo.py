@@ -84,6 +84,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--induction-weight) beside its text batch: the induction circuit grows beside the language "
                         "model instead of in a phase of its own that the text steps then erase")
     p.add_argument("--induction-weight", type=float, default=1.0, help="weight of the --induction-mix loss")
+    p.add_argument("--induction-vary", action="store_true",
+                   help="each --induction-mix step draws its span length from [--induction-len / 4, --induction-len]")
+    p.add_argument("--induction-code-frac", type=float, default=0.0,
+                   help="share of the --induction-mix rows that are a span of training code shown twice ([c, c]) "
+                        "instead of random tokens")
     p.add_argument("--edit-frac", type=float, default=0.0,
                    help="joint phase: this share of each batch's windows become an edit example: code from the "
                         "window, a marker line (one of EDIT_MARKERS: 'the same code again', 'with X renamed to Y', "
@@ -420,11 +425,23 @@ def with_edits(batch: torch.Tensor, step: int, frac: float, edits: "EditWindows 
     return out
 
 
-def induction_loss(model, rows: int, length: int, seed: int) -> torch.Tensor:
+def induction_loss(model, rows: int, length: int, seed: int, code: torch.Tensor | None = None,
+                   code_frac: float = 0.0, vary: bool = False) -> torch.Tensor:
     """Olsson et al. 2022's induction task: `rows` sequences [r, r] of `length` random tokens (ids >= 100: no
-    special or very frequent byte tokens), cross entropy on the second r only. Deterministic in the seed."""
+    special or very frequent byte tokens), cross entropy on the second r only. With `code` ([N, S+1] training
+    windows) the last round(code_frac * rows) rows are [c, c] for c a random `length`-token span of training code
+    instead: in code a token recurs many times, so copying it needs the span's preceding tokens matched, not one
+    token (a model that copies random tokens perfectly did not copy code). Deterministic in the seed."""
     g = torch.Generator().manual_seed(seed)
+    if vary:  # the step's span length drawn from [length / 4, length]: a fixed distance between the two showings
+        # is learned as "attend a fixed offset back" (RoPE makes that easy), which copies nothing else
+        length = int(torch.randint(max(2, length // 4), length + 1, (1,), generator=g))
     r = torch.randint(100, VOCAB, (rows, length), generator=g)
+    m = round(code_frac * rows) if code is not None else 0
+    if m:
+        idx = torch.randint(0, code.shape[0], (m,), generator=g)
+        off = torch.randint(0, code.shape[1] - length + 1, (m,), generator=g)
+        r[rows - m :] = torch.stack([code[i, o : o + length] for i, o in zip(idx.tolist(), off.tolist())])
     seq = torch.cat([r, r], dim=1)
     logits = model(input_ids=seq[:, :-1], use_cache=False).logits[:, length - 1 :]
     return F.cross_entropy(logits.reshape(-1, VOCAB), seq[:, length:].reshape(-1))
@@ -481,7 +498,9 @@ def train(args, target, draft, data: Batches) -> dict:
     ckpt = Path(args.checkpoint) if args.checkpoint else None
     if ckpt is not None and ckpt.exists():
         st = torch.load(ckpt, weights_only=False)
-        if st["args"] != checkpoint_args(args):
+        # options added after a checkpoint was written are absent from it: they match when left off (falsy)
+        now = checkpoint_args(args)
+        if st["args"] != {k: v for k, v in now.items() if k in st["args"] or v}:
             raise SystemExit(f"{ckpt} was written with other arguments {st['args']}; delete it or use those")
         target.load_state_dict(st["target"])
         draft.load_state_dict(st["draft"])
@@ -527,7 +546,8 @@ def train(args, target, draft, data: Batches) -> dict:
             ul = unlikelihood(t_logits.view(*x.shape, VOCAB), x, batch[:, 1:], args.ul_window)
             t_obj = t_loss + args.unlikelihood * ul
         if args.induction_mix:
-            ind_ce = induction_loss(target, args.induction_mix, args.induction_len, args.seed * 1_000_003 + 500_000 + step)
+            ind_ce = induction_loss(target, args.induction_mix, args.induction_len, args.seed * 1_000_003 + 500_000 + step,
+                                    data.train, args.induction_code_frac, args.induction_vary)
             t_obj = t_obj + args.induction_weight * ind_ce
         opt_t.step(t_obj, lr_at(step, args.steps, opt_t.peak, warmup))
         d_logits = draft(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
@@ -563,7 +583,8 @@ def train(args, target, draft, data: Batches) -> dict:
         t_loss = F.cross_entropy(t_logits.reshape(-1, VOCAB), y.reshape(-1))
         obj = t_loss + args.unlikelihood * unlikelihood(t_logits, x, y, args.ul_window) if args.unlikelihood else t_loss
         if args.induction_mix:
-            ind_ce = induction_loss(target, args.induction_mix, args.induction_len, args.seed * 1_000_003 + 900_000 + step)
+            ind_ce = induction_loss(target, args.induction_mix, args.induction_len, args.seed * 1_000_003 + 900_000 + step,
+                                    data.train, args.induction_code_frac, args.induction_vary)
             obj = obj + args.induction_weight * ind_ce
         opt_t.step(obj, lr)
         if step % 10 == 0 or step == args.seq_ul_steps - 1:
@@ -603,6 +624,7 @@ def checkpoint_args(args) -> dict:
     keep = ("seed", "steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight", "init", "skip_batches",
             "unlikelihood", "ul_window", "seq_ul_steps", "seq_ul_prefix", "seq_ul_len", "copy_frac",
             "edit_frac", "induction_steps", "induction_len", "induction_rows", "induction_mix", "induction_weight",
+            "induction_code_frac", "induction_vary",
             "gen_distill", "gen_prefix", "gen_len", "argmax_weight")
     return {k: getattr(args, k) for k in keep}
 
@@ -725,6 +747,7 @@ def main(argv=None) -> int:
                                                            "unlikelihood", "ul_window", "seq_ul_steps",
                                                            "copy_frac", "edit_frac", "induction_steps", "induction_len",
                                                            "induction_rows", "induction_mix", "induction_weight",
+                                                           "induction_code_frac", "induction_vary",
                                                            "gen_distill", "gen_prefix",
                                                            "gen_len", "argmax_weight")},
         "heldout_eval": metrics,
