@@ -154,3 +154,35 @@ def test_edit_windows_hold_the_code_twice_and_never_the_benchmarks_unseen_format
     spec.loader.exec_module(sd)
     head, marker = sd.EDIT_FORMATS["before-after"]
     assert not any(marker in m or head.strip() in m for m in td.EDIT_MARKERS + td.EDIT_HEADS + [td.RENAME_MARKER])
+
+
+def test_induction_rows_repeat_their_span_and_vary_and_code_rows_come_from_the_training_windows():
+    """scripts/train_demo.py --induction-mix / --induction-code-frac / --induction-vary: each row is a span shown
+    twice; code rows are spans of the given windows; --induction-vary draws the step's span length from
+    [len / 4, len]; the same seed gives the same rows."""
+    td = load_train_demo()
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, input_ids, use_cache=False):
+            seen.append(input_ids.clone())
+            return type("Out", (), {"logits": torch.zeros(*input_ids.shape, td.VOCAB, requires_grad=True)})()
+
+    code = torch.randint(100, 4000, (5, 300), generator=torch.Generator().manual_seed(1))
+    lengths = set()
+    for seed in range(12):
+        td.induction_loss(Probe(), 4, 64, seed, code, 0.5, vary=True)
+        x = seen[-1]
+        length = (x.shape[1] + 1) // 2
+        lengths.add(length)
+        assert 16 <= length <= 64
+        full = torch.cat([x, x[:, -1:]], dim=1)  # the last token is a label only; rows are [s, s]
+        assert torch.equal(full[:, :length - 1], full[:, length:2 * length - 1])
+        for row in x[2:, :length].tolist():  # the last round(0.5 * 4) rows are code spans
+            assert any(row == code[i, o:o + length].tolist() for i in range(5) for o in range(300 - length + 1))
+    assert len(lengths) > 3
+    td.induction_loss(Probe(), 4, 64, 7, code, 0.5, vary=True)
+    td.induction_loss(Probe(), 4, 64, 7, code, 0.5, vary=True)
+    assert torch.equal(seen[-1], seen[-2])
+    td.induction_loss(Probe(), 4, 64, 7)
+    assert seen[-1].shape == (4, 127)
