@@ -225,6 +225,32 @@ def explain(args, rates: list[float], out: Path) -> None:
             print(f"| {tag} | {n} | {statistics.fmean(dec) if dec else 0:.1f} | {1000 * real / n:.2f} | "
                   f"{1000 * fit / n:.2f} | {real / fit:.3f} | {1000 * statistics.fmean(gaps) if gaps else 0:.3f} | "
                   f"{1000 * sim / n:.2f} | {(real + sum(gaps)) / sim:.3f} | {cpu_txt} |")
+    # scheduling vs step time: the same requests as steps, real vs sim. Fewer sim steps for the same tokens = larger
+    # batches (the sim's server runs ahead or behind, or schedules differently); busy time = steps + pauses (real)
+    # vs the sim's step times
+    print("\nsteps, real vs sim (busy: real steps + pauses < 50 ms; sim: its step times; tokens per step: logits "
+          "rows per step, the mean batch):\n")
+    print("| run | real steps | sim steps | sim / real | real busy s | sim busy s | sim / real | real tokens per "
+          "step | sim tokens per step |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for rate in rates:
+        sim_file = out / f"sim-{rate:g}" / "result.json"
+        if not sim_file.exists():
+            continue
+        lv = json.loads(sim_file.read_text())["sim"]["levels"][0]
+        s_steps, s_busy = lv["steps"], lv["mean_worker_busy"] * lv["simulated_s"]
+        s_tok = lv["output_tokens"] / s_steps if s_steps else 0.0
+        for k in range(args.repeats):
+            tag = f"{rate:g}" if args.repeats == 1 else f"{rate:g}-{k}"
+            f = out / f"real-{tag}" / "steps.jsonl"
+            steps = [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+            if not steps:
+                continue
+            busy = sum(d["t1"] - d["t0"] for d in steps) + sum(
+                g for g in (b["t0"] - a["t1"] for a, b in zip(steps, steps[1:])) if g < 0.05)
+            toks = sum(d["logits"] for d in steps) / len(steps)
+            print(f"| {tag} | {len(steps)} | {s_steps} | {s_steps / len(steps):.3f} | {busy:.1f} | {s_busy:.1f} | "
+                  f"{s_busy / busy:.3f} | {toks:.2f} | {s_tok:.2f} |")
     print("\nper step kind (gap: the pause after the step, pauses >= 50 ms left out):\n")
     print("| run | kind | steps | real step ms | gap ms | engine fit ms | real / fit | sim step ms | "
           "(real step + gap) / sim | per step: p10 / p50 / p90 |")

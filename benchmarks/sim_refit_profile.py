@@ -1,6 +1,6 @@
 """Refit a calibration profile offline from measurements already taken (no new measurement):
 
-    python benchmarks/sim_refit_profile.py GRID.json SERVING.json OUT.json [--keep-engine]
+    python benchmarks/sim_refit_profile.py GRID.json SERVING.json OUT.json [--keep-engine] [--decode-table]
 
 GRID.json: a profile whose `samples` are the grid steps (features[1:] + seconds, in grid order); they are refit
 with the current FEATURES on per-cell medians (a cell: consecutive samples of the same prefill chunk and decode
@@ -9,7 +9,9 @@ count). SERVING.json: a profile whose `serving.dir` still holds the serving runs
 fit_serving_kinds where the runs are open-loop ones: per step kind).
 For when one part of `tokenmill sim calibrate` was measured on a quiet machine and the other was not, or the
 cost model gained a feature after the measurements (docs/benchmarks/sim.md, session 13). --keep-engine: GRID's
-engine fit as it is (coefficients and fit statistics), only the serving terms refit (session 14)."""
+engine fit as it is (coefficients and fit statistics), only the serving terms refit (session 14).
+--decode-table: decode-only steps by calibrate.fit_decode_table (a table over the decode batch size, as
+`tokenmill sim calibrate` fits them since session 15) instead of the linear per-kind terms."""
 
 from __future__ import annotations
 
@@ -19,13 +21,13 @@ import sys
 
 import numpy as np
 
-from tokenmill.sim.calibrate import cell_medians, fit_serving, fit_serving_kinds, serving_excess
+from tokenmill.sim.calibrate import cell_medians, fit_decode_table, fit_serving, fit_serving_kinds, serving_excess
 from tokenmill.sim.cost_model import FEATURES, Calibrated, StepShape, nnls
 
 
 def main() -> None:
-    argv = [a for a in sys.argv[1:] if a != "--keep-engine"]
-    if len(argv) != 3 or len(sys.argv) - 1 - len(argv) > 1:
+    argv = [a for a in sys.argv[1:] if a not in ("--keep-engine", "--decode-table")]
+    if len(argv) != 3 or len(sys.argv) - 1 - len(argv) > 2:
         sys.exit(__doc__)
     grid, serving, out = argv
     g = json.load(open(grid))
@@ -61,6 +63,9 @@ def refit_serving(prof: dict, coef, rel, sv: dict, serving: str, out: str) -> No
             for r in sv["runs"]]
     open_runs = [r for r in runs if "rate" in r]  # open-loop runs (session 14): terms per step kind
     terms = {"kinds": fit_serving_kinds(open_runs)} if open_runs else fit_serving(runs)
+    if open_runs and "--decode-table" in sys.argv and (table := fit_decode_table(open_runs)) is not None:
+        terms["decode_linear"] = terms["kinds"]["decode"]
+        terms["kinds"]["decode"] = table
     pooled = fit_serving(open_runs) if open_runs else None
     one = runs[0]
     p = one["prompt"]

@@ -270,3 +270,93 @@ def test_serving_fit_per_step_kind_does_not_split_a_cost_over_regressors_it_cann
     assert got["prefill"]["scale"] == pytest.approx(0.3, rel=0.02)
     assert got["prefill"]["per_seq_s"] == got["prefill"]["per_request_s"] == 0.0
     assert got["decode"] == got["mixed"] == dict.fromkeys(KIND_TERMS, 0.0)  # no steps of theirs: the fit alone
+
+
+# --- session 15: decode-only steps' serving excess as a table over the decode batch size ---------------------
+
+def _decode_trace(rng, n_steps, excess_of_d, noise=0.3e-3, hit_every=0, hit_cost=0.0):
+    """A synthetic open-loop trace of decode-only steps (batch sizes 1..40, more small ones, as at light load)
+    whose step + pause exceed the engine fit by excess_of_d(d) + noise; every `hit_every`-th step also starts one
+    request (a full prefix-cache hit) costing hit_cost more."""
+    cal = Calibrated([*COEF, 3e-4], {})
+    t, steps = 0.0, []
+    for i in range(n_steps):
+        d = int(min(40, 1 + rng.geometric(0.08)))
+        ctx = int(rng.integers(50, 800))
+        new = 1 if hit_every and i % hit_every == 0 else 0
+        dd = dict(tokens=d, prefill_tokens=0, decode_seqs=d, attn_pairs=float(d * ctx), decode_ctx=d * ctx,
+                  prefill_ctx=0, logits=d, new_requests=new)
+        excess = excess_of_d(d) + float(rng.normal(0, noise)) + hit_cost * new
+        gap = max(0.0, excess) * 0.3
+        dur = cal.engine_step_s(StepShape(**dd)) + excess - gap
+        steps.append(dict(dd, t0=t, t1=t + dur))
+        t += dur + gap
+    return steps, cal
+
+
+def test_decode_table_recovers_a_non_linear_excess_and_its_own_knots_are_stable():
+    """A concave excess (as the AVX2 server's decode steps: a linear per-token term fitted at small batches
+    over-charges large ones) is recovered within 0.15 ms at every batch size the trace has many steps of, by two
+    independent traces alike; the per-request cost of full prefix-cache hits comes out on its own term."""
+    from tokenmill.sim.calibrate import fit_decode_table
+    from tokenmill.sim.cost_model import table_excess
+
+    truth = lambda d: 0.4e-3 + 1.5e-3 * np.log1p(d)  # noqa: E731
+    tables = []
+    for seed in (11, 12):
+        steps, cal = _decode_trace(np.random.default_rng(seed), 6000, truth, hit_every=25, hit_cost=2e-3)
+        got = fit_decode_table([serving_excess(steps, cal.engine_step_s)])
+        assert got["step_s"] == got["scale"] == got["per_seq_s"] == 0.0
+        assert got["per_request_s"] == pytest.approx(2e-3, abs=0.15e-3)
+        xs = [k[0] for k in got["table"]]
+        assert xs == sorted(xs) and len(xs) >= 8 and min(got["table_steps"]) >= 60
+        assert 0 < got["table_slope_s"] < 1.5e-3  # the curve still rises beyond the last knot, less than at d=0
+        counts = np.bincount([s["decode_seqs"] for s in steps if not s["new_requests"]])
+        for d in range(1, 41):
+            if counts[d] >= 60:
+                assert table_excess(got["table"], got["table_slope_s"], d) == pytest.approx(truth(d), abs=0.15e-3), d
+        tables.append(got)
+    for d in (1, 4, 16, 30):  # two calibrations of the same server agree
+        a, b = (table_excess(t["table"], t["table_slope_s"], d) for t in tables)
+        assert a == pytest.approx(b, abs=0.15e-3), d
+    # the linear per-kind terms fitted on the same steps (session 14's method) miss the curve by more somewhere
+    steps, cal = _decode_trace(np.random.default_rng(11), 6000, truth)
+    lin = fit_serving_kinds([serving_excess(steps, cal.engine_step_s)])["decode"]
+    linear_err = max(abs(lin["step_s"] + lin["scale"] * cal.engine_step_s(StepShape(tokens=d, decode_seqs=d,
+                     attn_pairs=400.0 * d, decode_ctx=400 * d, logits=d)) + lin["per_seq_s"] * d - truth(d))
+                     for d in (1, 2, 40))
+    assert linear_err > 0.3e-3
+
+
+def test_profile_with_a_decode_table_charges_decode_steps_by_batch_size_only():
+    from tokenmill.sim.cost_model import CostModel
+
+    coef = [*COEF, 3e-4]
+    kinds = {k: dict(zip(KIND_TERMS, v)) for k, v in KINDS.items()}
+    table = [[1.0, 0.5e-3], [4.0, 1.1e-3], [10.0, 2.0e-3], [24.5, 2.6e-3]]
+    kinds["decode"] = {**kinds["decode"], "table": table, "table_slope_s": 2e-5, "table_steps": [80, 90, 100, 70]}
+    cal = Calibrated(coef, {"serving": {"kinds": kinds}})
+    lin = Calibrated(coef, {"serving": {"kinds": {k: dict(zip(KIND_TERMS, v)) for k, v in KINDS.items()}}})
+    for d in (1, 2, 3, 4, 7, 10, 20, 24, 25, 40, 64, 2000):
+        shape = StepShape(tokens=d, decode_seqs=d, attn_pairs=300.0 * d, decode_ctx=300 * d, logits=d)
+        want = float(np.interp(d, [k[0] for k in table], [k[1] for k in table])) if d <= 24.5 else \
+            2.6e-3 + 2e-5 * (d - 24.5)  # an independent reference: numpy's interpolation, and the slope beyond
+        assert cal.step_s(shape) - lin.step_s(shape) == pytest.approx(want, rel=1e-9, abs=1e-12), d
+        n = 50
+        assert cal.decode_run_s(shape, n) == CostModel.decode_run_s(cal, shape, n)  # bit for bit, step by step
+    mixed = StepShape(tokens=72, prefill_tokens=64, decode_seqs=8, attn_pairs=4080.0, decode_ctx=1992, logits=9)
+    prefill = StepShape(tokens=64, prefill_tokens=64, attn_pairs=2080.0, logits=1, new_requests=1)
+    assert cal.step_s(mixed) == lin.step_s(mixed) and cal.step_s(prefill) == lin.step_s(prefill)
+
+
+@pytest.mark.parametrize("decode,other,match", [
+    ({"table": [[4.0, 1e-3], [2.0, 2e-3]]}, {}, "strictly"),
+    ({"table": [[0.0, 1e-3]]}, {}, ">= 1"),
+    ({"table": [[1.0, 1e-3]], "table_slope_s": -1e-5}, {}, "table_slope_s >= 0"),
+    ({"table": [[1.0, float("nan")]]}, {}, "finite"),
+    ({"table": [1.0, 2.0]}, {}, "must be"),
+    ({"table_slope_s": 1e-5}, {}, "without a table"),
+    ({}, {"table": [[1.0, 1e-3]]}, "unknown terms")])
+def test_decode_tables_the_model_does_not_understand_are_errors(decode, other, match):
+    with pytest.raises(CLIError, match=match):
+        Calibrated([*COEF, 0.0], {"serving": {"kinds": {"decode": decode, "mixed": other, "prefill": {}}}})

@@ -247,6 +247,53 @@ def fit_serving_kinds(runs: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
+DECODE_TABLE_MIN_STEPS = 60  # decode-only steps per table knot: batch sizes with fewer are pooled with the next
+
+
+def fit_decode_table(runs: list[dict], min_steps: int = DECODE_TABLE_MIN_STEPS) -> dict:
+    """The decode-only steps' serving excess as a table over the decode batch size (cost_model.DECODE_TABLE_TERMS),
+    from the open-loop runs' steps (serving_excess kind_rows; for a decode-only step its streamed tokens are its
+    decode sequences): consecutive batch sizes are pooled until a knot has `min_steps` steps (a short last group
+    joins the one before); a knot is (the steps' mean batch size, their mean excess) -- the mean, because a run's
+    latency adds the steps up. Beyond the last knot the excess grows by table_slope_s per sequence: the slope of a
+    least-squares line through the knots (weighted by their steps; >= 0). Steps that start requests (full
+    prefix-cache hits) are left out of the table; per_request_s is then their mean excess beyond the table, per
+    request (>= 0). Each knot is measured directly, so no split between near-collinear regressors (per step,
+    per token, a share of the fit) can move between calibrations (docs/benchmarks/sim.md, session 15).
+    None where the runs have no decode-only steps."""
+    rows = [(int(f[2]), int(f[3]), e) for run in runs for k, f, e in run["kind_rows"] if k == "decode"]
+    plain = sorted((d, e) for d, r, e in rows if r == 0)
+    if not plain:
+        return None
+    by_d: dict[int, list[float]] = {}
+    for d, e in plain:
+        by_d.setdefault(d, []).append(e)
+    groups, cur = [], []
+    for d in sorted(by_d):
+        cur += [(d, e) for e in by_d[d]]
+        if len(cur) >= min_steps:
+            groups.append(cur)
+            cur = []
+    if cur:
+        if groups:
+            groups[-1] += cur
+        else:
+            groups.append(cur)
+    knots = [(float(np.mean([d for d, _ in g])), float(np.mean([e for _, e in g]))) for g in groups]
+    w = np.array([len(g) for g in groups], dtype=np.float64)
+    slope = 0.0
+    if len(knots) > 1:
+        x, y = np.array([k[0] for k in knots]), np.array([k[1] for k in knots])
+        xm, ym = np.average(x, weights=w), np.average(y, weights=w)
+        slope = max(0.0, float(np.sum(w * (x - xm) * (y - ym)) / np.sum(w * (x - xm) ** 2)))
+    from tokenmill.sim.cost_model import table_excess
+
+    starts = [(e - table_excess(knots, slope, d)) / r for d, r, e in rows if r > 0]
+    per_request = max(0.0, float(np.mean(starts))) if starts else 0.0
+    return {**dict.fromkeys(KIND_TERMS, 0.0), "per_request_s": per_request, "table": [list(k) for k in knots],
+            "table_slope_s": slope, "table_steps": [int(n) for n in w]}
+
+
 # The serving runs. First one stream of fixed lengths, closed loop (the per-request delay before the engine, from
 # its TTFT); then open loops -- Poisson arrivals, as the fidelity runs and real traffic have them -- at rates from
 # light to heavy load of this CPU's demo model (~7 req/s of chat saturates it): the serving terms are fitted on
@@ -363,6 +410,10 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], rates=SER
         raise CLIError(f"calibrate: the server wrote no step trace ({trace})")
     open_runs = [r for r in results if "rate" in r]
     kinds = fit_serving_kinds(open_runs)
+    linear_decode = kinds["decode"]
+    table = fit_decode_table(open_runs)
+    if table is not None:  # decode-only steps: the table (session 15); the linear split kept for comparison
+        kinds["decode"] = table
     pooled = fit_serving(open_runs)
     for r in results:
         del r["rows"], r["kind_rows"]
@@ -377,4 +428,5 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], rates=SER
         log(f"  warning: other processes used {other:.2f} cores of this machine during the serving runs; the "
             "serving overhead includes their interference (calibrate on a quiet machine)")
     return {"kinds": kinds, "request_s": float(request_s), "other_cpu_share": other, "pooled": pooled,
+            "decode_linear": linear_decode,
             "runs": results, "dir": str(tmp)}

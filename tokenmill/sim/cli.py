@@ -130,6 +130,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
                 print(f"serving overhead, {k} steps: {1000 * t['step_s']:.2f} ms per step + engine fit x "
                       f"{t['scale']:.3f} + {1000 * t['per_seq_s']:.3f} ms per streamed token + "
                       f"{1000 * t['per_request_s']:.2f} ms per request")
+                if "table" in t:
+                    print(f"  + decode table (batch size: ms): " + ", ".join(
+                        f"{d:.1f}: {1000 * e:.2f}" for d, e in t["table"]) + f"; beyond: +{1000 * t['table_slope_s']:.3f}"
+                        " ms per sequence")
             print(f"{1000 * sv['request_s']:.1f} ms per request before the engine")
         else:
             print(f"serving overhead: {1000 * sv['step_s']:.2f} ms per step + {1000 * sv['per_seq_s']:.3f} ms per "

@@ -27,6 +27,7 @@ decode-only, mixed (decodes beside prefill tokens) and prefill-only steps apart 
 
     step_s = engine fit x (1 + kinds[k].scale) + kinds[k].step_s + kinds[k].per_seq_s x logits
              + kinds[k].per_request_s x new_requests
+             (+ decode-only steps, where kinds.decode has a `table` (session 15): table_excess(decode seqs))
 
 On a CPU the serving overhead is mostly CPU time: the engine's torch threads use every core, so each
 CPU-second the HTTP front-end and the client take (per step result, per streamed token, per request) delays
@@ -53,6 +54,23 @@ PROFILE_KIND = "tokenmill-sim-calibration"
 # lose different shares of their time to the serving side (docs/benchmarks/sim.md, sessions 13-14)
 STEP_KINDS = ("decode", "mixed", "prefill")
 KIND_TERMS = ("step_s", "scale", "per_seq_s", "per_request_s")
+# decode-only steps (session 15): the serving excess as a table over the decode batch size instead of the linear
+# split above, whose per-step / per-token shares moved between calibrations (they are near-collinear on decode
+# steps): serving.kinds.decode.table = [[decode seqs, excess s], ...] (knots, increasing), linear between them,
+# the first knot's value below it, the last's + table_slope_s per sequence beyond it; added to the linear terms
+DECODE_TABLE_TERMS = ("table", "table_slope_s", "table_steps")  # table_steps: the steps behind each knot (a record)
+
+
+def table_excess(knots: list[tuple[float, float]], slope: float, d: float) -> float:
+    """The decode table's excess at batch size d (DECODE_TABLE_TERMS)."""
+    x0, y0 = knots[0]
+    if d <= x0:
+        return y0
+    for x1, y1 in knots[1:]:
+        if d <= x1:
+            return y0 + (y1 - y0) * (d - x0) / (x1 - x0)
+        x0, y0 = x1, y1
+    return y0 + slope * (d - x0)
 
 
 def step_kind(prefill_tokens: int, decode_seqs: int) -> str:
@@ -209,6 +227,7 @@ class Calibrated(CostModel):
         if len(self.coef) != len(FEATURES) or any(c < 0 for c in self.coef):
             raise CLIError(f"calibration profile: coef must be {len(FEATURES)} non-negative numbers ({FEATURES})")
         self._c = np.asarray(self.coef, dtype=np.float64)
+        self._dtab = self._dtable = None
         serving = self.profile.get("serving") or {}
         kinds = serving.get("kinds")
         if kinds is None:  # one set of serving terms for every step (profiles before session 14)
@@ -239,10 +258,15 @@ class Calibrated(CostModel):
             raise CLIError(f"calibration profile: serving.kinds must have exactly the step kinds {list(STEP_KINDS)}; "
                            f"got {sorted(kinds) if isinstance(kinds, dict) else kinds!r}")
         t = kinds[kind]
-        unknown = sorted(set(t) - set(KIND_TERMS)) if isinstance(t, dict) else None
+        known = KIND_TERMS + (DECODE_TABLE_TERMS if kind == "decode" else ())
+        unknown = sorted(set(t) - set(known)) if isinstance(t, dict) else None
         if unknown is None or unknown:
             raise CLIError(f"calibration profile: serving.kinds.{kind}: unknown terms {unknown}; known: "
-                           f"{list(KIND_TERMS)}")
+                           f"{list(known)}")
+        if kind == "decode" and "table" in t:
+            self._set_decode_table(t["table"], t.get("table_slope_s", 0.0))
+        elif "table_slope_s" in t:
+            raise CLIError("calibration profile: serving.kinds.decode.table_slope_s without a table")
         v = {k: float(t.get(k, 0.0)) for k in KIND_TERMS}
         if any(x < 0 for x in v.values()):
             raise CLIError(f"calibration profile: serving.kinds.{kind}: terms must be >= 0 ({v})")
@@ -250,6 +274,29 @@ class Calibrated(CostModel):
         c[0] += v["step_s"]
         c[5] += v["per_seq_s"]
         return c, v["per_request_s"]
+
+    _TABLE_SIZE = 1025  # decode batch sizes whose table excess is precomputed (the hot path: one list index)
+
+    def _set_decode_table(self, table, slope) -> None:
+        try:
+            knots = [(float(d), float(e)) for d, e in table]
+            slope = float(slope)
+        except (TypeError, ValueError):
+            raise CLIError("calibration profile: serving.kinds.decode.table must be [[decode seqs, seconds], ...] and "
+                           "table_slope_s a number") from None
+        xs = [d for d, _ in knots]
+        if not knots or xs[0] < 1 or any(b <= a for a, b in zip(xs, xs[1:])) or slope < 0 or \
+                not all(np.isfinite([*xs, *(e for _, e in knots), slope])):
+            raise CLIError("calibration profile: serving.kinds.decode.table: knots need decode seqs >= 1, strictly "
+                           "increasing, finite seconds; table_slope_s >= 0")
+        self._dtable = (knots, slope)
+        self._dtab = [table_excess(knots, slope, d) for d in range(self._TABLE_SIZE)]
+
+    def decode_table_s(self, d: int) -> float:
+        """The decode table's excess for a decode-only step of d sequences (0.0 without a table)."""
+        if self._dtab is None:
+            return 0.0
+        return self._dtab[d] if d < self._TABLE_SIZE else table_excess(*self._dtable, d)
 
     def engine_step_s(self, s: StepShape) -> float:
         """The engine alone (no serving overhead): the in-process fit."""
@@ -263,6 +310,9 @@ class Calibrated(CostModel):
              + c[5] * s.logits)
         if s.prefill_tokens and s.decode_seqs:  # mixed_decodes (0 in a decode run: decode_run_s)
             t += c[6] * s.decode_seqs
+        elif self._dtab is not None and not s.prefill_tokens:  # decode-only: the decode table
+            d = s.decode_seqs
+            t += self._dtab[d] if d < self._TABLE_SIZE else table_excess(*self._dtable, d)
         if s.new_requests:  # never in a decode run (decode_run_s): nothing is waiting there
             t += per_request * s.new_requests
         return t
@@ -272,8 +322,11 @@ class Calibrated(CostModel):
             return []
         c, d = self._c_list, shape.decode_seqs
         di = d * np.arange(1, n, dtype=np.int64)
-        return ((c[0] + c[1] * 0 + c[2] * d + c[3] * (shape.attn_pairs + di) + c[4] * (shape.decode_ctx + di))
-                + c[5] * shape.logits).tolist()
+        t = ((c[0] + c[1] * 0 + c[2] * d + c[3] * (shape.attn_pairs + di) + c[4] * (shape.decode_ctx + di))
+             + c[5] * shape.logits)
+        if self._dtab is not None:
+            t = t + self.decode_table_s(d)
+        return t.tolist()
 
     def describe(self) -> dict:
         return {"kind": "calibrated", "features": list(FEATURES), "coef": [float(v) for v in self._c],
