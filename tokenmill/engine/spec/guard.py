@@ -131,7 +131,7 @@ class _Arm:
 
 class _Bucket:
     __slots__ = ("cur", "arms", "steps", "next_probe", "interval", "probe_arm", "probe_left", "num_probes",
-                 "last_cap", "run", "seed", "base", "ladder", "pending", "win", "win_tail", "probe_cost", "cf")
+                 "last_cap", "run", "seed", "base", "ladder", "pending", "win", "win_tail", "probe_cost", "cf", "big")
 
     def __init__(self, k_max: int, probe_every: int, first_probe: int):
         self.cur = k_max
@@ -154,6 +154,7 @@ class _Bucket:
         # content-matched windows: cf[W][K'] = [tokens, sequence-steps K' would have needed, samples], EMAs over
         # the steps run at caps >= W (every K' <= W updated together: the same steps)
         self.cf: dict[int, dict[int, list[float]]] = {}
+        self.big = False  # a bucket of > 4 sequences: a probe from off costs a draft catch-up of every sequence
 
 
 class GoodputGuard:
@@ -182,7 +183,8 @@ class GoodputGuard:
             # a probe wakes every sequence's draft (a catch-up) and verifies k more rows per sequence: at a
             # large batch it costs in proportion, so big buckets start their ladder at k = 1 (the cheapest
             # probe) and probe less often; a rung that lost delays the next by its measured cost (_amortised)
-            b.seed = 1 if bk > 4 else max(1, min(self.cfg.k_max, suggest or self.cfg.k_max))
+            b.big = bk > 4
+            b.seed = 1 if b.big else max(1, min(self.cfg.k_max, suggest or self.cfg.k_max))
             # from off, probe a ladder of caps, not only the suggestion and its neighbours: a draft model can
             # lose at k = 1 and win at k = 4 (its forward has a fixed cost per draft step): measured at batch 1
             # (session 9) and at 16 sequences (session 11, AVX2: k = 1 0.79x of off's rate on its steps, k = 4
@@ -249,7 +251,11 @@ class GoodputGuard:
         for k, arm in b.arms.items():  # each challenger against the current arm on content both ran on
             if k != b.cur and arm.samples >= cfg.min_samples and (s := self._ratio(b, k, b.cur)) > best_score:
                 best, best_score = k, s
-        if best != b.cur and best == b.pending:  # the second win in a row: switch
+        # the second win in a row: switch. From off, the two wins may be two different caps (batch 1, n-gram on the
+        # edit workload: k = 4 and k = 6 within a few % of each other, each beating off by ~25%, took turns as the
+        # pending challenger and kept the bucket off for ~90 more steps, session 15): speculation beating off was
+        # confirmed twice, the best cap now wins, the +-1 probes refine it from there
+        if best != b.cur and (best == b.pending or (b.cur == 0 and b.pending is not None)):
             b.cur, b.pending = best, None
             self.num_switches += 1
             b.interval = b.base
@@ -296,8 +302,10 @@ class GoodputGuard:
                     # a probe's own length (a small batch: the undelayed ladder turns it on within ~200 steps) or a
                     # rung measured so far beats the current arm (a switch follows: the catch-ups are repaid)
                     wait = self._amortised(b)
+                    # (a small bucket's ladder is never delayed: there a probe costs a few steps' worth, yet one
+                    # rung that lost on its content asked ~50 steps of off at batch 1, session 15)
                     if b.pending is None and (not ladder_open or (
-                            wait > self.cfg.probe_len * len(b.ladder) and not self._rung_wins(b))):
+                            b.big and wait > self.cfg.probe_len * len(b.ladder) and not self._rung_wins(b))):
                         b.next_probe = max(b.next_probe, b.steps + wait)
 
     def _next_rung(self, b: _Bucket) -> int | None:
