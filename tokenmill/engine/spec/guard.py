@@ -325,11 +325,7 @@ class GoodputGuard:
             a = b.arms.get(k)
             if a is None or a.samples < min_s:
                 return k
-            # (a big bucket only: at <= 4 sequences a probe costs a few steps' worth, and a rung that lost may have
-            # run on content no cap could draft for: batch-1 n-gram on edit, session 15, stopped after k = 4 and 2
-            # both ran on fresh code, then stayed off ~200 steps where a fixed k = 4 gained 25%)
-            if (b.big and off_measured and prev is not None and self._ratio(b, k, 0) < lose
-                    and self._ratio(b, k, prev) < lose):
+            if off_measured and prev is not None and self._ratio(b, k, 0) < lose and self._ratio(b, k, prev) < lose:
                 return None
             prev = k
         return None
