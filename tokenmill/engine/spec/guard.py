@@ -131,7 +131,7 @@ class _Arm:
 
 class _Bucket:
     __slots__ = ("cur", "arms", "steps", "next_probe", "interval", "probe_arm", "probe_left", "num_probes",
-                 "last_cap", "run", "seed", "base", "ladder", "pending", "win", "win_tail", "probe_cost", "cf", "big")
+                 "last_cap", "run", "seed", "base", "ladder", "pending", "win", "win_tail", "probe_cost", "cf")
 
     def __init__(self, k_max: int, probe_every: int, first_probe: int):
         self.cur = k_max
@@ -154,7 +154,6 @@ class _Bucket:
         # content-matched windows: cf[W][K'] = [tokens, sequence-steps K' would have needed, samples], EMAs over
         # the steps run at caps >= W (every K' <= W updated together: the same steps)
         self.cf: dict[int, dict[int, list[float]]] = {}
-        self.big = False  # a bucket of > 4 sequences: a probe from off costs a draft catch-up of every sequence
 
 
 class GoodputGuard:
@@ -183,8 +182,7 @@ class GoodputGuard:
             # a probe wakes every sequence's draft (a catch-up) and verifies k more rows per sequence: at a
             # large batch it costs in proportion, so big buckets start their ladder at k = 1 (the cheapest
             # probe) and probe less often; a rung that lost delays the next by its measured cost (_amortised)
-            b.big = bk > 4
-            b.seed = 1 if b.big else max(1, min(self.cfg.k_max, suggest or self.cfg.k_max))
+            b.seed = 1 if bk > 4 else max(1, min(self.cfg.k_max, suggest or self.cfg.k_max))
             # from off, probe a ladder of caps, not only the suggestion and its neighbours: a draft model can
             # lose at k = 1 and win at k = 4 (its forward has a fixed cost per draft step): measured at batch 1
             # (session 9) and at 16 sequences (session 11, AVX2: k = 1 0.79x of off's rate on its steps, k = 4
@@ -302,10 +300,8 @@ class GoodputGuard:
                     # a probe's own length (a small batch: the undelayed ladder turns it on within ~200 steps) or a
                     # rung measured so far beats the current arm (a switch follows: the catch-ups are repaid)
                     wait = self._amortised(b)
-                    # (a small bucket's ladder is never delayed: there a probe costs a few steps' worth, yet one
-                    # rung that lost on its content asked ~50 steps of off at batch 1, session 15)
                     if b.pending is None and (not ladder_open or (
-                            b.big and wait > self.cfg.probe_len * len(b.ladder) and not self._rung_wins(b))):
+                            wait > self.cfg.probe_len * len(b.ladder) and not self._rung_wins(b))):
                         b.next_probe = max(b.next_probe, b.steps + wait)
 
     def _next_rung(self, b: _Bucket) -> int | None:
