@@ -109,6 +109,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--config", action="append", default=None,
                     help="NAME=PROPOSER:K (repeatable; off is always first); default by workload")
+    ap.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     a = ap.parse_args()
     e0 = LLMEngine(model="demo", kv_cache_bytes="64MiB")
     prompts = (heldout_prompts(e0.tokenizer, a.prompts, 128) if a.workload == "heldout"
@@ -123,7 +124,7 @@ def main() -> None:
         name, _, val = s.rpartition("=")
         prop, _, k = val.partition(":")
         configs[name] = dict(speculative_model=prop, num_speculative_tokens=k if k == "auto" else int(k))
-    engines = {n: LLMEngine(model="demo", kv_cache_bytes="256MiB", **kw) for n, kw in configs.items()}
+    engines = {n: LLMEngine(model="demo", kv_cache_bytes="256MiB", num_threads=a.num_threads, **kw) for n, kw in configs.items()}
     timers = {}
     for n, e in engines.items():  # warm-up, then the timers
         for p in prompts[:2]:

@@ -91,6 +91,61 @@ def test_decode_inputs_equal_the_general_path(tiny_dir, window):
     assert checked == 14
 
 
+def _verify_steps(rng: random.Random, block_size: int, num_blocks: int):
+    """Steps of decode-style rows only: plain decodes beside speculative verifications (1 + d tokens, d of the
+    k reserved slots filled: d = 0 when a lookup found nothing), 1-12 sequences, up to 20 rows."""
+    for n, k in ((1, 4), (1, 1), (2, 3), (3, 6), (5, 2), (9, 1), (12, 1)):
+        seqs = []
+        for i in range(n):
+            start = rng.randrange(0, 8 * block_size)
+            spec = i == 0 or rng.random() < 0.7  # one at least: a step of plain decodes takes _execute_decode
+            d = rng.randrange(0, k + 1) if spec else 0
+            blocks = rng.sample(range(num_blocks), (start + d) // block_size + 1 + rng.randrange(0, 2))
+            toks = [rng.randrange(1, 500) for _ in range(1 + d)]
+            seqs.append(ScheduledSeq(f"r{i}", toks, start, blocks, 1 + d, num_spec_slots=k if spec else 0))
+        yield SchedulerOutput(seqs, sum(len(s.token_ids) for s in seqs))
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_verify_inputs_equal_the_general_path(tiny_dir, window, monkeypatch):
+    """A step of decodes and speculative verifications (`ModelRunner._execute_verify`): every tensor the model gets,
+    the small-row-bits setting it runs under, the logit offsets and the logits are the general path's."""
+    from tokenmill.model import linear
+
+    llm = LLM(str(tiny_dir), kv_cache_bytes="8MiB")
+    runner = llm.engine.runner
+    runner.sliding_window = window
+    rec = _Recorder(runner.cfg.hidden_size)
+    bits: list[bool] = []
+    fwd = rec.forward
+    rec.forward = lambda *a: (bits.append(linear.small_row_bits_on()), fwd(*a))[1]
+    runner.model = rec
+    used = []
+    orig = runner._execute_verify
+    monkeypatch.setattr(runner, "_execute_verify", lambda *a: (used.append(1), orig(*a))[1])
+    rng = random.Random(1)
+    checked = 0
+    for sched in _verify_steps(rng, runner.block_size, runner.num_blocks):
+        for greedy in (True, False):
+            outs = []
+            for on in (True, False):
+                runner.decode_fast_path = on
+                outs.append(runner.execute(sched, float_logits=True, greedy=greedy))
+            (ids_f, pos_f, mf), (ids_r, pos_r, mr) = rec.calls[-2:]
+            assert torch.equal(ids_f, ids_r) and torch.equal(pos_f, pos_r)
+            for name in ("slot_mapping", "decode_token_idx", "decode_block_tables", "decode_ctx_lens"):
+                a, b = getattr(mf, name), getattr(mr, name)
+                assert a.dtype == b.dtype and torch.equal(a, b), name
+            assert mf.spans == mr.spans == [] and mf.sliding_window == mr.sliding_window == window
+            assert mf.logits_rows is None and mr.logits_rows is None
+            assert bits[-2] == bits[-1]
+            assert outs[0].logit_offsets == outs[1].logit_offsets
+            assert torch.equal(outs[0].logits, outs[1].logits)
+            checked += 1
+    assert checked == 14 and len(used) == 14  # the fast path ran on every step it was on for
+    assert any(bits)  # some step had > 8 rows from <= 8 sequences
+
+
 def test_a_wrong_fast_path_is_caught(tiny_dir, monkeypatch):
     """The comparison above can fail: slots one off in the fast path differ from the general path's."""
     llm = LLM(str(tiny_dir), kv_cache_bytes="8MiB")

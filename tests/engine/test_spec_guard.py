@@ -444,3 +444,43 @@ def test_guard_observe_rejects_inconsistent_counts():
         g.observe(2, 4, 3, 0.01, [(4, 1)])
     with pytest.raises(ValueError, match="outside"):
         g.observe(1, 2, 4, 0.01, [(3, 3)])
+
+
+def _drive_windows(guard: GoodputGuard, n: int, steps: int, window_rate, until=None):
+    """Like _drive, without noise, but the rate of a cap may change from one of its runs to the next (content:
+    a cap probed on a repeated span, then on fresh code): window_rate(cap, j) for the cap's j-th run (0-based).
+    Stops early when until(guard) holds. Returns the caps used."""
+    used, runs, prev = [], {}, None
+    for _ in range(steps):
+        c = guard.cap(n)
+        if c != prev:
+            runs[c] = runs.get(c, -1) + 1
+            prev = c
+        used.append(c)
+        tokens = n * (1 + min(c, 3))
+        guard.observe(n, c, tokens, tokens / window_rate(c, runs[c]))
+        if until is not None and until(guard):
+            break
+    return used
+
+
+def test_guard_from_off_switches_when_two_caps_take_turns_beating_off():
+    # batch 1, n-gram on the edit workload (session 15): k = 4 and k = 6 both beat off by ~25%, and which one looks
+    # best changes with the content of each probe. Speculation beating off, confirmed in two comparisons in a row,
+    # switches on to the best cap then; before, each new best restarted the confirmation (pending 4, 6, 4, ...)
+    # and the bucket stayed off meanwhile.
+    def rate(c, j):
+        if c == 0:
+            return 1000.0
+        if c == 4:
+            return 1300.0 if j == 0 else 1150.0  # its first probe ran on a repeated span, its second on fresh code
+        return {2: 1100.0, 6: 1280.0}.get(c, 1100.0)
+
+    g = GoodputGuard(GuardConfig(k_max=6))
+    g.cap(1, suggest=4)
+    used = _drive_windows(g, 1, 400, rate, until=lambda gg: gg.num_switches > 0)
+    assert g.num_switches == 1 and g.current(1) == 6
+    # the ladder (4, 2, 6) and one confirming probe: 4 probes; the old rule needed a fifth (6 probed again)
+    assert g.buckets[1].num_probes == 4, g.buckets[1].num_probes
+    assert sum(1 for c in used if c == 0) <= 60
+

@@ -213,6 +213,9 @@ class ModelRunner:
         if self.decode_fast_path and sched.seqs and all(
                 len(s.token_ids) == 1 and s.num_logits == 1 and not s.num_spec_slots for s in sched.seqs):
             return self._execute_decode(sched, float_logits, greedy)
+        if self.decode_fast_path and sched.seqs and all(
+                len(s.token_ids) == s.num_logits and (s.num_spec_slots or len(s.token_ids) == 1) for s in sched.seqs):
+            return self._execute_verify(sched, float_logits, greedy)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -312,6 +315,52 @@ class ModelRunner:
             meta.kv_groups = KVBlockGroups.of(slots, bs, self._tensor)
         hidden = self.model(rows[0], rows[1], self.kv_caches, meta)
         return self._decode_output(hidden, n, float_logits, greedy)
+
+    def _execute_verify(self, sched: SchedulerOutput, float_logits: bool, greedy: bool) -> ModelOutput:
+        """`execute` for a step of decode-style rows only (plain decodes and speculative verifications: every row
+        attends like a decode and has its logits): the metadata the general path builds for it
+        (tests/engine/test_decode_fast_path.py compares the two), from one loop and two tensors, as
+        `_execute_decode` does. No logits gather (every row is a logit row, in order)."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        ctx: list[int] = []
+        tables: list[list[int]] = []
+        offsets: list[int] = []
+        for s in sched.seqs:
+            offsets.append(len(ids))
+            bt, p = s.block_ids, s.start_pos
+            for t in s.token_ids:
+                ids.append(t)
+                pos.append(p)
+                slots.append(bt[p // bs] * bs + p % bs)
+                ctx.append(p + 1)
+                tables.append(bt[: p // bs + 1])
+                p += 1
+        n = len(ids)
+        width = max(map(len, tables))
+        tables = [t + [0] * (width - len(t)) if len(t) < width else t for t in tables]
+        rows = self._tensor([ids, pos, slots, ctx])
+        idx = self._aranges.get(n)
+        if idx is None:
+            idx = self._aranges[n] = self._tensor(list(range(n)))
+        meta = AttentionMetadata(slot_mapping=rows[2], spans=[], decode_token_idx=idx,
+                                 decode_block_tables=self._tensor(tables), decode_ctx_lens=rows[3], decode_mask=None,
+                                 sliding_window=self.sliding_window)
+        if self._host_kv_groups:
+            meta.kv_groups = KVBlockGroups.of(slots, bs, self._tensor)
+        # as the general path: the rows without drafts are one per sequence (lossless greedy in bf16: small_row_bits)
+        bits = len(sched.seqs) <= PackedWeight.SMALL_ROWS < n
+        with small_row_bits(bits):
+            hidden = self.model(rows[0], rows[1], self.kv_caches, meta)
+        if greedy:
+            tokens = self.model.greedy_tokens(hidden)
+            if tokens is not None:
+                return ModelOutput(hidden.new_empty(0, self.cfg.vocab_size), offsets, tokens)
+        with small_row_bits(bits):
+            logits = self.model.compute_logits(hidden, float32=float_logits)
+        return ModelOutput(logits, offsets)
 
     def _decode_output(self, hidden: torch.Tensor, n: int, float_logits: bool, greedy: bool) -> ModelOutput:
         offsets = list(range(n))

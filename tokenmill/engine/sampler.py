@@ -77,6 +77,18 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return logits.argmax(dim=-1).tolist()
 
 
+def greedy_token_tensor(logits: torch.Tensor) -> torch.Tensor:
+    """`greedy_tokens` as an int64 tensor [N] (the draft loop feeds it back as embedding indices)."""
+    from tokenmill.model.cpu_kernels import kernels_for
+
+    k = kernels_for(logits)
+    if k is not None and logits.dim() == 2 and logits.shape[0] > 0 and logits.stride(1) == 1:
+        out = torch.empty(logits.shape[0], dtype=torch.long)
+        k.argmax_rows(out, logits)
+        return out
+    return logits.argmax(dim=-1)
+
+
 def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask logits outside each row's top-k and top-p nucleus with -inf. x: [N, V]."""
     v = x.shape[-1]

@@ -174,6 +174,11 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab], fp32 (or, `float32=False`, in the head's output dtype)."""
+        return self.compute_logits_plain(hidden, float32)
+
+    def compute_logits_plain(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """`compute_logits` without entering inference mode (~2 us a call): for callers already inside it (the
+        speculative draft loop calls the head once per draft token)."""
         if self.packed_head is not None and self.packed_head.applies(hidden):
             logits = self.packed_head.logits(hidden)
         elif self.lm_head is None:
@@ -186,6 +191,10 @@ class LlamaModel(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [N, hidden] -> [N] int64, each row's argmax of `compute_logits(hidden)` (exactly), computed by
         the packed head without writing the logits; None where the packed head does not apply."""
+        return self.greedy_tokens_plain(hidden)
+
+    def greedy_tokens_plain(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """`greedy_tokens` without entering inference mode (see compute_logits_plain)."""
         if self.packed_head is None or not self.packed_head.applies_greedy(hidden):
             return None
         return self.packed_head.greedy(hidden)

@@ -23,6 +23,7 @@ import torch
 
 from tokenmill.engine.outputs import TokenLogprob
 from tokenmill.engine.request import Request
+from tokenmill.engine.sampler import greedy_tokens
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput
 from tokenmill.engine.spec.guard import GoodputGuard, GuardConfig
 from tokenmill.engine.spec.policy import SpecPolicyConfig, SpecSnapshot, StepCost, choose_k
@@ -218,7 +219,7 @@ class SpecDecoder:
         d = self.drafts.get(req.request_id)
         drafts = d.tokens if d is not None else []
         if req.params.greedy:
-            toks, a = verify_greedy(logits.argmax(dim=-1).tolist(), drafts)
+            toks, a = verify_greedy(greedy_tokens(logits), drafts)  # C++ argmax_rows: torch.argmax's rule
         else:
             toks, a = verify_sampled(logits, drafts, d.probs if d is not None else None, req.params,
                                      gen or default_gen)

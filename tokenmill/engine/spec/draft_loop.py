@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.engine.request import Request
+from tokenmill.engine.sampler import greedy_token_tensor
 from tokenmill.engine.scheduler import ScheduledSeq
 from tokenmill.model.attention import AttentionMetadata, Int8KVCache
 from tokenmill.model.fused_decode import MAX_TOKENS
@@ -38,6 +39,13 @@ class GreedyDraftLoop:
         self.model = runner.model
         self.bs = runner.block_size
         self.window = runner.sliding_window
+        self._aranges: dict[int, torch.Tensor] = {}  # decode_token_idx per row count (never written)
+
+    def _arange(self, n: int) -> torch.Tensor:
+        t = self._aranges.get(n)
+        if t is None:
+            t = self._aranges[n] = torch.arange(n)
+        return t
 
     @classmethod
     def build(cls, runner) -> "GreedyDraftLoop | None":
@@ -114,7 +122,7 @@ class GreedyDraftLoop:
         pos_t = torch.tensor(pos, dtype=torch.long)
         slot_t = torch.tensor(slots, dtype=torch.long)
         ctx_t = pos_t + 1
-        idx = torch.arange(len(reqs))
+        idx = self._arange(len(reqs))
         toks = [first]
         for j in range(k - 1):
             meta = AttentionMetadata(slot_mapping=slot_t[j], spans=[], decode_token_idx=idx, decode_block_tables=bt,
@@ -130,11 +138,14 @@ class GreedyDraftLoop:
         then selected, as the runner does for the rows of one sequence."""
         bs = self.bs
         slots = [tb[p // bs] * bs + p % bs for tb, p in zip(tables, positions)]
-        pos_t = torch.tensor(positions, dtype=torch.long)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), spans=[],
-                                 decode_token_idx=torch.arange(len(tokens)), decode_block_tables=bt,
-                                 decode_ctx_lens=pos_t + 1, decode_mask=None, sliding_window=self.window)
-        x = self.model.embed_tokens(torch.tensor(tokens, dtype=torch.long))
+        # one tensor for the three per-row lists (rows are contiguous views), as the runner's decode fast path
+        rows = torch.tensor([tokens, positions, slots], dtype=torch.long)  # [3, T]
+        pos_t = rows[1]
+        meta = AttentionMetadata(slot_mapping=rows[2], spans=[], decode_token_idx=self._arange(len(tokens)),
+                                 decode_block_tables=bt, decode_ctx_lens=pos_t + 1, decode_mask=None,
+                                 sliding_window=self.window)
+        # the embedding rows (what embed_tokens returns, as _uniform takes them: the same values)
+        x = self.model.embed_tokens.weight.index_select(0, rows[0])
         hidden = self.model.fused(x, pos_t, self.model.rope, self.runner.kv_caches, meta)
         if logit_rows is not None:
             hidden = hidden.index_select(0, torch.tensor(logit_rows, dtype=torch.long))
@@ -144,5 +155,5 @@ class GreedyDraftLoop:
         """Each row's argmax of the draft's logits: the packed head fused with the argmax where it applies (the
         same tokens, exactly, without writing [rows, vocab] logits; its rows are batch-invariant), else the
         logits then argmax."""
-        toks = self.model.greedy_tokens(hidden)
-        return toks if toks is not None else self.model.compute_logits(hidden).argmax(dim=-1)
+        toks = self.model.greedy_tokens_plain(hidden)  # propose() runs in inference mode: no per-call re-entry
+        return toks if toks is not None else greedy_token_tensor(self.model.compute_logits_plain(hidden))

@@ -249,7 +249,11 @@ class GoodputGuard:
         for k, arm in b.arms.items():  # each challenger against the current arm on content both ran on
             if k != b.cur and arm.samples >= cfg.min_samples and (s := self._ratio(b, k, b.cur)) > best_score:
                 best, best_score = k, s
-        if best != b.cur and best == b.pending:  # the second win in a row: switch
+        # the second win in a row: switch. From off, the two wins may be two different caps (batch 1, n-gram on the
+        # edit workload: k = 4 and k = 6 within a few % of each other, each beating off by ~25%, took turns as the
+        # pending challenger and kept the bucket off for ~90 more steps, session 15): speculation beating off was
+        # confirmed twice, the best cap now wins, the +-1 probes refine it from there
+        if best != b.cur and (best == b.pending or (b.cur == 0 and b.pending is not None)):
             b.cur, b.pending = best, None
             self.num_switches += 1
             b.interval = b.base
