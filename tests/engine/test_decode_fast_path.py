@@ -61,6 +61,17 @@ def _decode_steps(rng: random.Random, block_size: int, num_blocks: int):
         yield SchedulerOutput(seqs)
 
 
+def _assert_same_inputs(rec, window) -> None:
+    """The last two recorded forwards (fast path, then general path) got the same ids, positions and metadata."""
+    (ids_f, pos_f, mf), (ids_r, pos_r, mr) = rec.calls[-2:]
+    assert torch.equal(ids_f, ids_r) and torch.equal(pos_f, pos_r)
+    for name in ("slot_mapping", "decode_token_idx", "decode_block_tables", "decode_ctx_lens"):
+        a, b = getattr(mf, name), getattr(mr, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert mf.spans == mr.spans == [] and mf.sliding_window == mr.sliding_window == window
+    assert mf.logits_rows is None and mr.logits_rows is None
+
+
 @pytest.mark.parametrize("window", [None, 24])
 def test_decode_inputs_equal_the_general_path(tiny_dir, window):
     """Every tensor the model gets (ids, positions, slots, tables, context lengths, decode index) is the general
@@ -78,13 +89,7 @@ def test_decode_inputs_equal_the_general_path(tiny_dir, window):
             for on in (True, False):
                 runner.decode_fast_path = on
                 outs.append(runner.execute(sched, float_logits=False, greedy=greedy))
-            (ids_f, pos_f, mf), (ids_r, pos_r, mr) = rec.calls[-2:]
-            assert torch.equal(ids_f, ids_r) and torch.equal(pos_f, pos_r)
-            for name in ("slot_mapping", "decode_token_idx", "decode_block_tables", "decode_ctx_lens"):
-                a, b = getattr(mf, name), getattr(mr, name)
-                assert a.dtype == b.dtype and torch.equal(a, b), name
-            assert mf.spans == mr.spans == [] and mf.sliding_window == mr.sliding_window == window
-            assert mf.logits_rows is None and mr.logits_rows is None
+            _assert_same_inputs(rec, window)
             assert outs[0].logit_offsets == outs[1].logit_offsets
             assert torch.equal(outs[0].logits, outs[1].logits)
             checked += 1
@@ -131,13 +136,7 @@ def test_verify_inputs_equal_the_general_path(tiny_dir, window, monkeypatch):
             for on in (True, False):
                 runner.decode_fast_path = on
                 outs.append(runner.execute(sched, float_logits=True, greedy=greedy))
-            (ids_f, pos_f, mf), (ids_r, pos_r, mr) = rec.calls[-2:]
-            assert torch.equal(ids_f, ids_r) and torch.equal(pos_f, pos_r)
-            for name in ("slot_mapping", "decode_token_idx", "decode_block_tables", "decode_ctx_lens"):
-                a, b = getattr(mf, name), getattr(mr, name)
-                assert a.dtype == b.dtype and torch.equal(a, b), name
-            assert mf.spans == mr.spans == [] and mf.sliding_window == mr.sliding_window == window
-            assert mf.logits_rows is None and mr.logits_rows is None
+            _assert_same_inputs(rec, window)
             assert bits[-2] == bits[-1]
             assert outs[0].logit_offsets == outs[1].logit_offsets
             assert torch.equal(outs[0].logits, outs[1].logits)

@@ -301,6 +301,16 @@ class ModelRunner:
         if self.graphs is not None and n <= self.graphs.max_batch:
             hidden = self.graphs.run(ids, pos, slots, ctx, tables)
             return self._decode_output(hidden, n, float_logits, greedy)
+        rows, meta = self._decode_rows(ids, pos, slots, ctx, tables)
+        hidden = self.model(rows[0], rows[1], self.kv_caches, meta)
+        return self._decode_output(hidden, n, float_logits, greedy)
+
+    def _decode_rows(self, ids: list[int], pos: list[int], slots: list[int], ctx: list[int],
+                     tables: list[list[int]]) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The decode-style rows' tensors (one `[4, n]`: ids, positions, slots, context lengths) and attention
+        metadata (block tables padded with block 0 to the longest), shared by `_execute_decode` and
+        `_execute_verify`."""
+        n = len(ids)
         if n > 1:
             width = max(map(len, tables))
             tables = [t + [0] * (width - len(t)) if len(t) < width else t for t in tables]
@@ -312,9 +322,8 @@ class ModelRunner:
                                  decode_block_tables=self._tensor(tables), decode_ctx_lens=rows[3], decode_mask=None,
                                  sliding_window=self.sliding_window)
         if self._host_kv_groups:
-            meta.kv_groups = KVBlockGroups.of(slots, bs, self._tensor)
-        hidden = self.model(rows[0], rows[1], self.kv_caches, meta)
-        return self._decode_output(hidden, n, float_logits, greedy)
+            meta.kv_groups = KVBlockGroups.of(slots, self.block_size, self._tensor)
+        return rows, meta
 
     def _execute_verify(self, sched: SchedulerOutput, float_logits: bool, greedy: bool) -> ModelOutput:
         """`execute` for a step of decode-style rows only (plain decodes and speculative verifications: every row
@@ -339,17 +348,7 @@ class ModelRunner:
                 tables.append(bt[: p // bs + 1])
                 p += 1
         n = len(ids)
-        width = max(map(len, tables))
-        tables = [t + [0] * (width - len(t)) if len(t) < width else t for t in tables]
-        rows = self._tensor([ids, pos, slots, ctx])
-        idx = self._aranges.get(n)
-        if idx is None:
-            idx = self._aranges[n] = self._tensor(list(range(n)))
-        meta = AttentionMetadata(slot_mapping=rows[2], spans=[], decode_token_idx=idx,
-                                 decode_block_tables=self._tensor(tables), decode_ctx_lens=rows[3], decode_mask=None,
-                                 sliding_window=self.sliding_window)
-        if self._host_kv_groups:
-            meta.kv_groups = KVBlockGroups.of(slots, bs, self._tensor)
+        rows, meta = self._decode_rows(ids, pos, slots, ctx, tables)
         # as the general path: the rows without drafts are one per sequence (lossless greedy in bf16: small_row_bits)
         bits = len(sched.seqs) <= PackedWeight.SMALL_ROWS < n
         with small_row_bits(bits):
