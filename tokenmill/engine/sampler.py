@@ -65,20 +65,14 @@ class Sampler:
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """argmax of each row of [N, V] logits in their own dtype (the C++ `argmax_rows` on CPU: torch.argmax's
-    first-maximum rule, ~10x faster than torch's on a [64, 32000] block here; torch.argmax elsewhere)."""
-    from tokenmill.model.cpu_kernels import kernels_for
-
-    k = kernels_for(logits)
-    if k is not None and logits.dim() == 2 and logits.shape[0] > 0 and logits.stride(1) == 1:
-        out = torch.empty(logits.shape[0], dtype=torch.long)
-        k.argmax_rows(out, logits)
-        return out.tolist()
-    return logits.argmax(dim=-1).tolist()
+    """argmax of each row of [N, V] logits in their own dtype, as a list (`greedy_token_tensor`)."""
+    return greedy_token_tensor(logits).tolist()
 
 
 def greedy_token_tensor(logits: torch.Tensor) -> torch.Tensor:
-    """`greedy_tokens` as an int64 tensor [N] (the draft loop feeds it back as embedding indices)."""
+    """argmax of each row of [N, V] logits in their own dtype as an int64 tensor [N] (the C++ `argmax_rows` on CPU:
+    torch.argmax's first-maximum rule, ~10x faster than torch's on a [64, 32000] block here; torch.argmax
+    elsewhere). The draft loop feeds it back as embedding indices."""
     from tokenmill.model.cpu_kernels import kernels_for
 
     k = kernels_for(logits)

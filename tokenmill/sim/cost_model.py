@@ -311,8 +311,7 @@ class Calibrated(CostModel):
         if s.prefill_tokens and s.decode_seqs:  # mixed_decodes (0 in a decode run: decode_run_s)
             t += c[6] * s.decode_seqs
         elif self._dtab is not None and not s.prefill_tokens:  # decode-only: the decode table
-            d = s.decode_seqs
-            t += self._dtab[d] if d < self._TABLE_SIZE else table_excess(*self._dtable, d)
+            t += self.decode_table_s(s.decode_seqs)
         if s.new_requests:  # never in a decode run (decode_run_s): nothing is waiting there
             t += per_request * s.new_requests
         return t
