@@ -1,7 +1,12 @@
 """Fidelity of `tokenmill sim` (calibrated) against the real `tokenmill serve` on this machine.
 
-    flock /tmp/cpu.lock python benchmarks/sim_fidelity.py --profile /tmp/cpu.json --rates 4,8,12 \\
+    flock /tmp/cpu.lock python benchmarks/sim_fidelity.py --profile /tmp/cpu.json --loads 0.3,0.55,0.85 \\
         --num-requests 200 --out /tmp/fidelity
+
+The load levels: --rates R1,R2,.. (req/s), or --loads F1,F2,.. (default 0.3,0.55,0.85): fractions of the real
+server's capacity for the workload, measured first on a fresh server by the probe `tokenmill sim calibrate` uses
+for its own open-loop loads (calibrate.probe_capacity: a saturating closed loop; --capacity R skips it); the
+capacity and the rates go to OUT/capacity.json and the output.
 
 Per load level: a fresh `tokenmill serve --model demo --admission off` measured by `tokenmill bench`
 (its own process), then `tokenmill sim` with the same workload flags, one worker, round-robin routing and
@@ -34,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_common import _stop, wait_ready  # noqa: E402
 
 from tokenmill.hardware import capabilities  # noqa: E402
-from tokenmill.sim.calibrate import machine_busy_s, process_cpu_s  # noqa: E402
+from tokenmill.sim.calibrate import (machine_busy_s, probe_capacity, process_cpu_s,  # noqa: E402
+                                     rates_from_capacity)
 
 PY = sys.executable
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -54,20 +60,52 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def start_server(args, log: Path, trace: Path | None = None) -> tuple[subprocess.Popen, str]:
+    cmd = [PY, "-m", "tokenmill", "serve", "--model", args.model, "--port", str(args.port), "--admission", "off",
+           "--kv-cache-bytes", args.kv_cache_bytes, "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    env = {**ENV, "TOKENMILL_STEP_TRACE": str(trace)} if trace else ENV
+    server = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{args.port}"
+    try:
+        wait_ready(server, url, log)
+    except BaseException:
+        _stop([server])
+        raise
+    return server, url
+
+
+def measure_capacity(args, out: Path) -> dict:
+    """The check's loads: --loads fractions of the server's capacity for --workload, measured on a fresh server by
+    calibrate.probe_capacity (the probe `tokenmill sim calibrate` runs for its own loads), or --capacity; written
+    to OUT/capacity.json (and read from there with --sim-only)."""
+    f = out / "capacity.json"
+    if args.sim_only and f.exists():
+        return json.loads(f.read_text())
+    if args.capacity:
+        cap = {"workload": args.workload, "req_per_s": args.capacity, "given": True}
+    else:
+        server, url = start_server(args, out / "server-capacity.log")
+        try:
+            # another seed than the check's runs: the probe's prompts are not the ones measured after it
+            cap = probe_capacity(url, args.model, args.tokenizer, args.workload, out / "capacity", args.seed + 1000,
+                                 env=ENV)
+        finally:
+            _stop([server])
+    fractions = [float(x) for x in args.loads.split(",")]
+    cap.update(fractions=fractions, rates=list(rates_from_capacity(cap["req_per_s"], fractions)))
+    f.write_text(json.dumps(cap, indent=1) + "\n")
+    return cap
+
+
 def run_real(args, rate: float, out: Path, repeat: int = 0) -> dict:
     tag = f"{rate:g}" if args.repeats == 1 else f"{rate:g}-{repeat}"
     dest = out / f"real-{tag}"
     dest.mkdir(parents=True, exist_ok=True)
     log = out / f"server-{tag}.log"
-    cmd = [PY, "-m", "tokenmill", "serve", "--model", args.model, "--port", str(args.port), "--admission", "off",
-           "--kv-cache-bytes", args.kv_cache_bytes, "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     trace = dest / "steps.jsonl"
     trace.unlink(missing_ok=True)
-    server = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                              env={**ENV, "TOKENMILL_STEP_TRACE": str(trace)})
-    url = f"http://127.0.0.1:{args.port}"
+    server, url = start_server(args, log, trace)
     try:
-        wait_ready(server, url, log)
         procs = {"front-end": server.pid, **{f"core-{c}": c for c in _children(server.pid)}}
         before = {k: process_cpu_s(p) for k, p in procs.items()}
         bench0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -113,7 +151,12 @@ def main() -> None:
     ap.add_argument("--model", default="demo")
     ap.add_argument("--tokenizer", default=str(Path(__file__).resolve().parents[1] / "tokenmill/model/demo/demo"))
     ap.add_argument("--profile", help="calibration profile (default: calibrate first, into --out)")
-    ap.add_argument("--rates", default="4,8,12")
+    load = ap.add_mutually_exclusive_group()
+    load.add_argument("--rates", help="load levels, req/s")
+    load.add_argument("--loads", help="load levels as fractions of the measured capacity for --workload (default "
+                      "0.3,0.55,0.85: three loads up to ~85%% of capacity)")
+    ap.add_argument("--capacity", type=float, metavar="REQ_PER_S", help="with --loads: this capacity instead of "
+                    "probing it")
     ap.add_argument("--workload", default="chat")
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--slo", action="append", default=[])
@@ -138,7 +181,17 @@ def main() -> None:
         subprocess.run([PY, "-m", "tokenmill", "sim", "calibrate", "--model", args.model, "--out", args.profile,
                         "--kv-cache-bytes", args.kv_cache_bytes, "--max-num-batched-tokens",
                         str(args.max_num_batched_tokens)], check=True, env=ENV)
-    rates = [float(r) for r in args.rates.split(",")]
+    capacity = None
+    if args.rates:
+        rates = [float(r) for r in args.rates.split(",")]
+    else:
+        args.loads = args.loads or "0.3,0.55,0.85"
+        capacity = measure_capacity(args, out)
+        rates = capacity["rates"]
+        print(f"capacity {capacity['req_per_s']:.2f} req/s of {args.workload}"
+              + (" (given)" if capacity.get("given") else f" (probe: {capacity['concurrency']} sessions, "
+                 f"{capacity['completed']} requests)") + "; loads " + ", ".join(
+                  f"{f:g} -> {r:g} req/s" for f, r in zip(capacity["fractions"], rates)))
     reals: dict[float, list[dict]] = {r: [] for r in rates}
     for k in range(args.repeats):  # rounds over all the levels
         for rate in rates:

@@ -360,3 +360,95 @@ def test_profile_with_a_decode_table_charges_decode_steps_by_batch_size_only():
 def test_decode_tables_the_model_does_not_understand_are_errors(decode, other, match):
     with pytest.raises(CLIError, match=match):
         Calibrated([*COEF, 0.0], {"serving": {"kinds": {"decode": decode, "mixed": other, "prefill": {}}}})
+
+
+# --- session 16: the serving runs' loads from the measured capacity; the per-request path measured directly ---
+
+
+def _closed_loop_ends(rng, rate: float, n: int, sessions: int) -> list[float]:
+    """Completion times of a saturating closed loop of `sessions` sessions: their first replies come together
+    after the shared first prefills (the start), then completions at `rate` (Poisson), then the last `sessions`
+    draining ever slower (the tail: fewer and fewer sessions left)."""
+    t = 2.0 + np.sort(rng.uniform(0, 0.3, sessions))
+    steady = t[-1] + np.cumsum(rng.exponential(1 / rate, n - 2 * sessions))
+    tail = steady[-1] + np.cumsum([rng.exponential(sessions / (rate * k)) for k in range(sessions, 0, -1)])
+    return [*t, *steady, *tail]
+
+
+def test_capacity_from_a_closed_loop_leaves_its_start_and_tail_out():
+    from tokenmill.sim.calibrate import CAPACITY_PROBE, capacity_from_ends
+
+    sessions, n = CAPACITY_PROBE
+    errs, naive = [], []
+    for seed, rate in enumerate((3.0, 7.0, 20.0, 7.0, 7.0, 7.0)):
+        ends = _closed_loop_ends(np.random.default_rng(seed), rate, n, sessions)
+        errs.append(capacity_from_ends(list(reversed(ends))) / rate - 1)  # any order
+        naive.append((n - 1) / (max(ends) - min(ends)) / rate - 1)  # completions over the whole run
+    assert max(abs(e) for e in errs) < 0.2 and np.mean(np.abs(errs)) < 0.1, errs
+    assert np.mean(np.abs(naive)) > 2 * np.mean(np.abs(errs)), (naive, errs)
+    with pytest.raises(CLIError):
+        capacity_from_ends([1.0, 2.0, 3.0])
+    with pytest.raises(CLIError):
+        capacity_from_ends([5.0] * 10)
+
+
+def test_open_loop_rates_follow_the_measured_capacity_not_fixed_numbers():
+    """The calibration's open-loop runs at fractions of the capacity: a 3x faster server gets 3x the rates (the
+    fixed 1.5 / 4 / 6.5 req/s before session 16 gave the same on every machine); each run its own seed."""
+    from tokenmill.sim.calibrate import (SERVING_LOAD_FRACTIONS, SERVING_REQUESTS, SERVING_WORKLOAD, open_loop_plan,
+                                         rates_from_capacity)
+
+    plans = {}
+    for cap in (2.4, 7.2):
+        plan = open_loop_plan(rates_from_capacity(cap, SERVING_LOAD_FRACTIONS), SERVING_WORKLOAD, SERVING_REQUESTS, 7)
+        rates = [float(flags[flags.index("--rate") + 1]) for _, flags, _ in plan]
+        assert rates == pytest.approx([f * cap for f in SERVING_LOAD_FRACTIONS], rel=5e-3)
+        assert [m["rate"] for _, _, m in plan] == rates
+        seeds = [flags[flags.index("--seed") + 1] for _, flags, _ in plan]
+        assert len(set(seeds)) == len(seeds)
+        assert [flags[flags.index("--num-requests") + 1] for _, flags, _ in plan] == [str(n) for n in SERVING_REQUESTS]
+        plans[cap] = rates
+    assert plans[7.2] == pytest.approx([3 * r for r in plans[2.4]], rel=1e-2)
+    assert max(SERVING_LOAD_FRACTIONS) >= 0.85  # the top run loads the server at least as the fidelity check does
+    assert rates_from_capacity(6.0, (0.3, 0.55, 0.85)) == (1.8, 3.3, 5.1)
+    for bad in ((0.0,), (-0.5,), (3.0,), ()):
+        with pytest.raises(CLIError):
+            rates_from_capacity(6.0, bad)
+    with pytest.raises(CLIError):
+        rates_from_capacity(0.0, (0.5,))
+    with pytest.raises(CLIError):
+        open_loop_plan((1.0, 2.0), SERVING_WORKLOAD, (100,), 7)
+
+
+def _one_stream(rng, n: int, in_s: float, out_s: float, pause_s: float):
+    """A one-stream closed loop: per request, the front-end's in-path, a prefill step, a pause, decode steps; the
+    first token reaches the client out_s after its step. Step times scatter; the bench clock is offset."""
+    offset = 1234.5
+    t, steps, recs = 100.0, [], []
+    for k in range(n):
+        sent = t
+        t += in_s
+        dur = float(rng.uniform(0.008, 0.02))
+        steps.append(dict(t0=t, t1=t + dur, tokens=128, prefill_tokens=128, decode_seqs=0, attn_pairs=8256.0,
+                          decode_ctx=0, prefill_ctx=0, logits=1, new_requests=1))
+        ttft = in_s + dur + out_s
+        t += dur + pause_s
+        for _ in range(5):
+            steps.append(dict(t0=t, t1=t + 0.002, tokens=1, prefill_tokens=0, decode_seqs=1, attn_pairs=130.0,
+                              decode_ctx=130, prefill_ctx=0, logits=1, new_requests=0))
+            t += 0.0022
+        recs.append(dict(status="ok", sent_s=sent - offset, ttft_s=ttft))
+        t += 0.01
+    return steps, recs
+
+
+def test_first_token_path_is_measured_from_the_trace_whatever_the_step_model_says():
+    from tokenmill.sim.calibrate import first_token_path_s
+
+    steps, recs = _one_stream(np.random.default_rng(5), 12, in_s=1.7e-3, out_s=2.6e-3, pause_s=1.1e-3)
+    got = first_token_path_s(steps, list(reversed(recs)))
+    # the sim charges the pause after a step inside the step: what is left per request is in + out - pause
+    assert got == pytest.approx(1.7e-3 + 2.6e-3 - 1.1e-3, abs=1e-9)
+    assert first_token_path_s(steps, recs[:-1]) is None  # not paired
+    two = [dict(s, decode_seqs=1, tokens=129) if s["new_requests"] else s for s in steps]  # not one stream
+    assert first_token_path_s(two, recs) is None

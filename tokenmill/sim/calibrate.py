@@ -294,25 +294,108 @@ def fit_decode_table(runs: list[dict], min_steps: int = DECODE_TABLE_MIN_STEPS) 
             "table_slope_s": slope, "table_steps": [int(n) for n in w]}
 
 
-# The serving runs. First one stream of fixed lengths, closed loop (the per-request delay before the engine, from
-# its TTFT); then open loops -- Poisson arrivals, as the fidelity runs and real traffic have them -- at rates from
-# light to heavy load of this CPU's demo model (~7 req/s of chat saturates it): the serving terms are fitted on
-# the open-loop runs' steps only. Closed loops (the method before session 14) saw about half of the loss
-# open-loop runs show at the same batch sizes (docs/benchmarks/sim.md, session 13). The workload is chat-shaped
-# (multi-turn sessions with prefix reuse, as served traffic) but not the fidelity check's: other lengths, turns
-# and seed.
+# The serving runs. First one stream of fixed lengths, closed loop (the per-request path before and after the
+# engine: request_s, first_token_path_s); then a capacity probe (a saturating closed loop, capacity_from_ends);
+# then open loops -- Poisson arrivals, as the fidelity runs and real traffic have them -- at fractions of that
+# measured capacity (session 16; fixed req/s before, chosen for a 3x slower machine, reached decode batches of
+# 4-5 where the fidelity check reaches ~15): the serving terms are fitted on the open-loop runs' steps only.
+# Closed loops (the method before session 14) saw about half of the loss open-loop runs show at the same batch
+# sizes (docs/benchmarks/sim.md, session 13). The workload is chat-shaped (multi-turn sessions with prefix reuse,
+# as served traffic) but not the fidelity check's: other lengths, turns and seed; each run its own seed (one seed
+# for all made the later runs replays of the first, 98% prefix-cache hits: almost no prefill, session 16).
 SERVING_ONE_STREAM = (1, 128, 64)  # (streams, prompt, output)
 SERVING_WORKLOAD = "chat:prompt=192,output=96,spread=0.8,turns_min=1,turns_max=4"
-SERVING_RATES = (1.5, 4.0, 6.5)
-SERVING_REQUESTS = 120
+SERVING_LOAD_FRACTIONS = (0.3, 0.65, 1.0)  # of the probe's capacity: the top reaches the check's batch sizes
+SERVING_REQUESTS = (100, 150, 240)  # per open-loop run
 SERVING_SEED = 7
+# the capacity probe: (concurrent sessions, requests). 16 sessions keep this CPU's demo model busy (chat: ~6 req/s;
+# 64 sessions add ~10% more at 4x the TPOT); 96 requests leave a middle half of ~48 completions between the first
+# wave and the drain (capacity_from_ends)
+CAPACITY_PROBE = (16, 96)
 
 
-def measure_serving(profile: dict, model: str, engine_args: list[str], rates=SERVING_RATES,
-                    workload: str = SERVING_WORKLOAD, num_requests: int = SERVING_REQUESTS, seed: int = SERVING_SEED,
-                    port: int = 18473, log=print) -> dict:
+def capacity_from_ends(end_s, lo: float = 0.25, hi: float = 0.75) -> float:
+    """Requests per second a server completes when saturated, from a closed-loop run's completion times: the
+    completions between the lo and hi quantiles over the time between them -- the run's start (every session's
+    first prefill at once) and its tail (the last sessions alone) left out."""
+    e = np.sort(np.asarray(end_s, dtype=np.float64))
+    if len(e) < 4:
+        raise CLIError(f"capacity probe: {len(e)} completed requests; need >= 4")
+    i, j = int(round(lo * (len(e) - 1))), int(round(hi * (len(e) - 1)))
+    if j <= i or e[j] <= e[i]:
+        raise CLIError("capacity probe: the completions span no time")
+    return float((j - i) / (e[j] - e[i]))
+
+
+def rates_from_capacity(capacity: float, fractions) -> tuple[float, ...]:
+    """Open-loop request rates (req/s, 3 significant digits) at `fractions` of a measured capacity."""
+    fractions = tuple(float(f) for f in fractions)
+    if not (capacity > 0 and np.isfinite(capacity)):
+        raise CLIError(f"capacity {capacity!r} req/s: must be a positive number")
+    if not fractions or any(not 0 < f <= 2 for f in fractions):
+        raise CLIError(f"load fractions {fractions}: need 0 < fraction <= 2 (of the measured capacity)")
+    return tuple(float(f"{f * capacity:.3g}") for f in fractions)
+
+
+def first_token_path_s(steps: list[dict], records: list[dict]) -> float | None:
+    """The per-request time outside the engine's steps (request arrival -> engine, first token -> client), from
+    a closed loop of ONE stream (each request finds the engine idle): per request, its TTFT minus the step that
+    scheduled it (the requests enter the engine in the order they were sent: the k-th `new_requests` of the step
+    trace) and the pause after that step (the sim charges that pause inside its step time); the median. None
+    where the trace and the records do not pair up (a request of several prefill chunks, a missing trace).
+    Measured directly: the step model's error on this one step shape does not move it (before session 16:
+    TTFT - the model's step, clipped at 0 where the model over-predicted the idle server's prefill)."""
+    recs = sorted((r for r in records if r.get("status") == "ok" and r.get("ttft_s") is not None),
+                  key=lambda r: r["sent_s"])
+    firsts = [i for i, s in enumerate(steps) for _ in range(s.get("new_requests", 0))]
+    if not recs or len(firsts) != len(recs):
+        return None
+    vals = []
+    for r, i in zip(recs, firsts):
+        s = steps[i]
+        if s["decode_seqs"] or s["logits"] != 1:  # not a lone first-token step: one stream cannot pair it
+            return None
+        pause = steps[i + 1]["t0"] - s["t1"] if i + 1 < len(steps) else 0.0
+        vals.append(r["ttft_s"] - (s["t1"] - s["t0"]) - min(max(pause, 0.0), GAP_CAP_S))
+    return float(np.median(vals))
+
+
+def probe_capacity(url: str, model: str, tokenizer: str, workload: str, out: Path, seed: int,
+                   concurrency: int = CAPACITY_PROBE[0], num_requests: int = CAPACITY_PROBE[1], env=None) -> dict:
+    """The served engine's capacity (req/s) for `workload`: a `tokenmill bench` closed loop of `concurrency`
+    sessions (saturating), capacity_from_ends over its completions. Shared by `tokenmill sim calibrate` (its
+    open-loop loads) and benchmarks/sim_fidelity.py (the check's loads), so both are fractions of the same
+    measurement."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "tokenmill", "bench", "--target", url, "--model", model, "--tokenizer",
+                    tokenizer, "--workload", workload, "--concurrency", str(concurrency), "--num-requests",
+                    str(num_requests), "--seed", str(seed), "--out", str(out), "--no-plots", "--no-progress"],
+                   check=True, env=env, stdout=subprocess.DEVNULL)
+    recs = [json.loads(x) for x in (Path(out) / "requests.jsonl").read_text().splitlines() if x.strip()]
+    ends = [r["end_s"] for r in recs if r.get("status") == "ok"]
+    return {"workload": workload, "concurrency": concurrency, "requests": num_requests, "seed": seed,
+            "completed": len(ends), "req_per_s": capacity_from_ends(ends)}
+
+
+def open_loop_plan(rates, workload: str, num_requests, seed: int) -> list[tuple[str, list[str], dict]]:
+    """The open-loop serving runs: (name, `tokenmill bench` flags, record) per rate; run k has seed + 1 + k (fresh
+    prompts: a repeated seed replays the earlier run's sessions into the prefix cache) and num_requests[k]."""
+    n = tuple(num_requests) if isinstance(num_requests, (tuple, list)) else (num_requests,) * len(rates)
+    if len(n) != len(rates):
+        raise CLIError(f"{len(rates)} open-loop rates but {len(n)} request counts")
+    return [(f"open-{r:g}", ["--workload", workload, "--rate", f"{r:g}", "--num-requests", str(k), "--seed",
+                             str(seed + 1 + i)], {"rate": r, "workload": workload, "seed": seed + 1 + i})
+            for i, (r, k) in enumerate(zip(rates, n))]
+
+
+def measure_serving(profile: dict, model: str, engine_args: list[str], fractions=SERVING_LOAD_FRACTIONS,
+                    workload: str = SERVING_WORKLOAD, num_requests=SERVING_REQUESTS, seed: int = SERVING_SEED,
+                    port: int = 18473, capacity: float | None = None, log=print) -> dict:
     """The serving overhead on top of the engine fit, from a real `tokenmill serve` (admission off) under open-loop
-    Poisson traffic (`workload` at each of `rates`, `num_requests` each) measured by `tokenmill bench` in its own
+    Poisson traffic (`workload` at `fractions` of the server's capacity for it -- measured by probe_capacity on the
+    same server unless `capacity` (req/s) is given -- `num_requests` each) measured by `tokenmill bench` in its own
     process. The server's engine core writes every step it runs (TOKENMILL_STEP_TRACE): what the served engine
     lost beyond the in-process fit at each step (serving_excess: measured step + pause - fit of the same shape)
     is regressed per step kind (decode-only, mixed, prefill-only: fit_serving_kinds) on the step's counts:
@@ -320,7 +403,7 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], rates=SER
         excess of a step of kind k = kinds[k].step_s + kinds[k].scale x engine fit + kinds[k].per_seq_s x tokens
                                      + kinds[k].per_request_s x requests started      (fitted over the open-loop
                                                                                        runs' steps, >= 0)
-        TTFT_real(1 stream, prompt P, closed loop) = request_s + (fit + serving terms)(the one prefill step of P)
+        request_s = the one-stream run's per-request time outside the steps (first_token_path_s)
 
     On this kind of machine the excess is CPU time: the engine's torch threads use every core, and each
     CPU-second the front-end and the client take delays it by about one (the profile keeps their CPU seconds
@@ -370,11 +453,20 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], rates=SER
 
         c, p, o = SERVING_ONE_STREAM
         plan = [(f"c{c}-p{p}-o{o}", ["--workload", f"batch:prompt={p},output={o},spread=0", "--concurrency", str(c),
-                                      "--num-requests", "12"], {"concurrency": c, "prompt": p, "output": o})]
-        plan += [(f"open-{r:g}", ["--workload", workload, "--rate", f"{r:g}", "--num-requests", str(num_requests),
-                                  "--seed", str(seed)], {"rate": r, "workload": workload, "seed": seed})
-                 for r in rates]
-        for name, flags, meta in plan:
+                                      "--num-requests", "12"], {"concurrency": c, "prompt": p, "output": o}), None]
+        for item in plan:
+            if item is None:  # after the one-stream run: the capacity, then the open loops at its fractions
+                if capacity is None:
+                    probe = probe_capacity(url, model, tok, workload, tmp / "capacity", seed, env=env)
+                    log(f"  serving: capacity probe ({probe['concurrency']} sessions, {probe['completed']} requests):"
+                        f" {probe['req_per_s']:.2f} req/s")
+                else:
+                    probe = {"workload": workload, "req_per_s": float(capacity), "given": True}
+                rates = rates_from_capacity(probe["req_per_s"], fractions)
+                probe.update(fractions=[float(f) for f in fractions], rates=list(rates))
+                plan += open_loop_plan(rates, workload, num_requests, seed)
+                continue
+            name, flags, meta = item
             out = tmp / name
             pids = {"front-end": server.pid, **{f"core-{q}": q for q in core_pids}}
             cpu0 = {k: process_cpu_s(q) for k, q in pids.items()}
@@ -418,15 +510,18 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], rates=SER
     for r in results:
         del r["rows"], r["kind_rows"]
     one = results[0]
-    p = one["prompt"]
-    first = StepShape(tokens=p, prefill_tokens=p, attn_pairs=p * (p + 1) / 2, logits=1, new_requests=1)
-    served = Calibrated(profile["coef"], {"serving": {"kinds": kinds}})
-    request_s = max(0.0, one["ttft_s"] - served.step_s(first))
+    recs = [json.loads(x) for x in (tmp / one["run"] / "requests.jsonl").read_text().splitlines() if x.strip()]
+    request_s = first_token_path_s([d for d in steps if one["t0"] <= d["t0"] <= one["t1"]], recs)
+    if request_s is None:  # the trace and the records do not pair up: TTFT - the model's step (before session 16)
+        p = one["prompt"]
+        first = StepShape(tokens=p, prefill_tokens=p, attn_pairs=p * (p + 1) / 2, logits=1, new_requests=1)
+        request_s = one["ttft_s"] - Calibrated(profile["coef"], {"serving": {"kinds": kinds}}).step_s(first)
+    request_s = max(0.0, request_s)
     wall = sum(r["wall_s"] for r in results)
     other = sum(r["cpu_s"]["other"] for r in results) / wall if wall else 0.0
     if other > 0.1:
         log(f"  warning: other processes used {other:.2f} cores of this machine during the serving runs; the "
             "serving overhead includes their interference (calibrate on a quiet machine)")
     return {"kinds": kinds, "request_s": float(request_s), "other_cpu_share": other, "pooled": pooled,
-            "decode_linear": linear_decode,
+            "decode_linear": linear_decode, "capacity": probe,
             "runs": results, "dir": str(tmp)}

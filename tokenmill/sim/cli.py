@@ -77,26 +77,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--engine-profile", metavar="PROFILE.json", help="reuse this profile's engine fit (skip the "
                    "grid); measure the serving overhead only")
     c.add_argument("--port", type=int, default=18473, help="port of the server the serving measurement starts")
+    c.add_argument("--serving-loads", default=None, metavar="F1,F2,F3",
+                   help="open-loop serving runs at these fractions of the measured capacity (default 0.3,0.65,1.0)")
+    c.add_argument("--capacity", type=float, metavar="REQ_PER_S", help="the server's capacity for the calibration "
+                   "workload (skip the capacity probe)")
     c.set_defaults(func=run_calibrate)
     p.set_defaults(func=run)
     return p
 
 
-def _ints(flag: str, text: str) -> tuple[int, ...]:
+def _numbers(flag: str, text: str, kind=int) -> tuple:
     from tokenmill.cli import CLIError
 
     try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
+        return tuple(kind(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise CLIError(f"{flag} {text!r}: expected comma-separated integers") from None
+        what = "integers" if kind is int else "numbers"
+        raise CLIError(f"{flag} {text!r}: expected comma-separated {what}") from None
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
     from tokenmill.engine.config import parse_bytes
     from tokenmill.sim.calibrate import Grid, calibrate, write_profile
 
-    grid = Grid(_ints("--contexts", args.contexts), _ints("--decodes", args.decodes),
-                _ints("--prefills", args.prefills), args.repeats)
+    grid = Grid(_numbers("--contexts", args.contexts), _numbers("--decodes", args.decodes),
+                _numbers("--prefills", args.prefills), args.repeats)
     engine_kwargs = {"kv_cache_bytes": parse_bytes(args.kv_cache_bytes),
                      "max_num_batched_tokens": args.max_num_batched_tokens, "num_threads": args.num_threads}
     print(f"calibrating {args.model} on this machine ...", file=sys.stderr)
@@ -116,7 +121,12 @@ def run_calibrate(args: argparse.Namespace) -> int:
                        str(args.max_num_batched_tokens)]
         if args.num_threads:
             engine_args += ["--num-threads", str(args.num_threads)]
-        profile["serving"] = measure_serving(profile, args.model, engine_args, port=args.port, log=log)
+        from tokenmill.sim.calibrate import SERVING_LOAD_FRACTIONS
+
+        fractions = (_numbers("--serving-loads", args.serving_loads, float) if args.serving_loads
+                     else SERVING_LOAD_FRACTIONS)
+        profile["serving"] = measure_serving(profile, args.model, engine_args, fractions=fractions, port=args.port,
+                                             capacity=args.capacity, log=log)
     profile["command"] = ["tokenmill", *sys.argv[1:]] if sys.argv[1:2] == ["sim"] else ["tokenmill", "sim", "calibrate"]
     write_profile(profile, args.out)
     f = profile["fit"]
@@ -134,7 +144,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
                     print(f"  + decode table (batch size: ms): " + ", ".join(
                         f"{d:.1f}: {1000 * e:.2f}" for d, e in t["table"]) + f"; beyond: +{1000 * t['table_slope_s']:.3f}"
                         " ms per sequence")
-            print(f"{1000 * sv['request_s']:.1f} ms per request before the engine")
+            print(f"{1000 * sv['request_s']:.1f} ms per request outside the engine's steps")
+            if "capacity" in sv:
+                cap = sv["capacity"]
+                print(f"capacity {cap['req_per_s']:.2f} req/s of {cap['workload']}; open-loop runs at "
+                      + ", ".join(f"{r:g}" for r in cap["rates"]) + " req/s")
         else:
             print(f"serving overhead: {1000 * sv['step_s']:.2f} ms per step + {1000 * sv['per_seq_s']:.3f} ms per "
                   f"streamed token + {1000 * sv.get('per_request_s', 0.0):.2f} ms per request + "
