@@ -21,7 +21,8 @@ import sys
 
 import numpy as np
 
-from tokenmill.sim.calibrate import cell_medians, fit_decode_table, fit_serving, fit_serving_kinds, serving_excess
+from tokenmill.sim.calibrate import (cell_medians, fit_decode_table, fit_serving, fit_serving_kinds,
+                                     one_stream_request_s, serving_excess)
 from tokenmill.sim.cost_model import FEATURES, Calibrated, StepShape, nnls
 
 
@@ -67,10 +68,7 @@ def refit_serving(prof: dict, coef, rel, sv: dict, serving: str, out: str) -> No
         terms["decode_linear"] = terms["kinds"]["decode"]
         terms["kinds"]["decode"] = table
     pooled = fit_serving(open_runs) if open_runs else None
-    one = runs[0]
-    p = one["prompt"]
-    first = StepShape(tokens=p, prefill_tokens=p, attn_pairs=p * (p + 1) / 2, logits=1, new_requests=1)
-    request_s = max(0.0, one["ttft_s"] - Calibrated(prof["coef"], {"serving": terms}).step_s(first))
+    request_s = one_stream_request_s(runs[0], steps, sv["dir"], prof["coef"], terms)
     for r in runs:
         r.pop("rows")
         r.pop("kind_rows")

@@ -360,6 +360,22 @@ def first_token_path_s(steps: list[dict], records: list[dict]) -> float | None:
     return float(np.median(vals))
 
 
+def one_stream_request_s(one: dict, steps: list[dict], run_dir: Path, coef, serving: dict) -> float:
+    """serving.request_s from the one-stream run `one` (a serving.runs entry; its records in run_dir/one["run"]):
+    first_token_path_s; where the trace and the records do not pair up (or the records are gone), its median TTFT
+    minus the served model's step for its prompt (the method before session 16). >= 0."""
+    f = Path(run_dir) / one["run"] / "requests.jsonl"
+    recs = [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+    request_s = first_token_path_s([d for d in steps if one["t0"] <= d["t0"] <= one["t1"]], recs)
+    if request_s is None:
+        from tokenmill.sim.cost_model import Calibrated
+
+        p = one["prompt"]
+        first = StepShape(tokens=p, prefill_tokens=p, attn_pairs=p * (p + 1) / 2, logits=1, new_requests=1)
+        request_s = one["ttft_s"] - Calibrated(coef, {"serving": serving}).step_s(first)
+    return max(0.0, float(request_s))
+
+
 def probe_capacity(url: str, model: str, tokenizer: str, workload: str, out: Path, seed: int,
                    concurrency: int = CAPACITY_PROBE[0], num_requests: int = CAPACITY_PROBE[1], env=None) -> dict:
     """The served engine's capacity (req/s) for `workload`: a `tokenmill bench` closed loop of `concurrency`
@@ -509,14 +525,7 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], fractions
     pooled = fit_serving(open_runs)
     for r in results:
         del r["rows"], r["kind_rows"]
-    one = results[0]
-    recs = [json.loads(x) for x in (tmp / one["run"] / "requests.jsonl").read_text().splitlines() if x.strip()]
-    request_s = first_token_path_s([d for d in steps if one["t0"] <= d["t0"] <= one["t1"]], recs)
-    if request_s is None:  # the trace and the records do not pair up: TTFT - the model's step (before session 16)
-        p = one["prompt"]
-        first = StepShape(tokens=p, prefill_tokens=p, attn_pairs=p * (p + 1) / 2, logits=1, new_requests=1)
-        request_s = one["ttft_s"] - Calibrated(profile["coef"], {"serving": {"kinds": kinds}}).step_s(first)
-    request_s = max(0.0, request_s)
+    request_s = one_stream_request_s(results[0], steps, tmp, profile["coef"], {"kinds": kinds})
     wall = sum(r["wall_s"] for r in results)
     other = sum(r["cpu_s"]["other"] for r in results) / wall if wall else 0.0
     if other > 0.1:
