@@ -80,6 +80,69 @@ def greedy_reference():
     return [r.outputs[0].token_ids for r in llm.generate(PROMPTS, sp)]
 
 
+def _shadow_reference(tokens: list[int], prompt_len: int, max_tokens: int, k_max: int) -> list[tuple[int, int]]:
+    """The shadow proposals an `auto` n-gram run that never speculates scores, from its final tokens alone: the first
+    decode step (after the prefill's token) proposes min(k_max, drafts the output has room for) tokens by brute-force
+    lookup; the proposal keeps its prefix that the output repeats and is scored once the output's token after that
+    prefix was seen by a later step (the last token is seen by none); the next proposal starts after that token."""
+    seen = tokens[:-1]  # what the last step's plan saw
+    out, s = [], prompt_len + 1
+    while s < len(seen):
+        cap = max_tokens - (s - prompt_len) - 1
+        if cap <= 0:
+            break
+        prop = _ngram_reference(seen[:s], min(k_max, cap), 2, 4)
+        m = 0
+        while m < len(prop) and s + m < len(seen) and seen[s + m] == prop[m]:
+            m += 1
+        if s + m >= len(seen):
+            break
+        out.append((len(prop), m))
+        s += m + 1
+    return out
+
+
+def test_auto_ngram_scores_shadow_proposals_while_off(greedy_reference, monkeypatch):
+    """`auto` n-gram with every bucket held off: each sequence's k = 0 steps still score a lookup against the tokens
+    the target emits (counterfactual acceptance), exactly as a brute-force replay of the output says; the scores reach
+    the acceptance EMA and the guard's shadow table; nothing is drafted or verified and the output is off's."""
+    from tokenmill.engine.spec.guard import GoodputGuard
+    from tokenmill.engine.spec.stats import Acceptance
+
+    def held_off(self, n, suggest=None):
+        b = self._get(n)
+        b.cur = 0
+        b.steps += 1
+        return 0
+
+    calls: dict[str, list[tuple[int, int]]] = {}
+    observe = Acceptance.observe
+
+    def spy(self, rid, drafts, accepted):
+        calls.setdefault(rid, []).append((drafts, accepted))
+        observe(self, rid, drafts, accepted)
+
+    monkeypatch.setattr(GoodputGuard, "cap", held_off)
+    monkeypatch.setattr(Acceptance, "observe", spy)
+    llm = LLM("demo", kv_cache_bytes="32MiB", dtype="float32", speculative_model="ngram", num_speculative_tokens="auto")
+    sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, sp)
+    assert [r.outputs[0].token_ids for r in outs] == greedy_reference
+    spec = llm.engine.spec
+    ref = {r.request_id: _shadow_reference(list(r.prompt_token_ids) + list(r.outputs[0].token_ids),
+                                           len(r.prompt_token_ids), 48, spec.policy.k_max) for r in outs}
+    # per request, the scores in order (an empty lookup drafts nothing: no acceptance observation)
+    assert calls == {rid: [c for c in cs if c[0]] for rid, cs in ref.items() if any(c[0] for c in cs)}
+    drafted = [c for cs in ref.values() for c in cs if c[0]]
+    assert len(drafted) > 20 and sum(a for _k, a in drafted) > 0  # the lookup matched somewhere: not vacuous
+    assert (spec.num_shadow, spec.num_shadow_drafts, spec.num_shadow_accepted) == (
+        len(drafted), sum(k for k, _a in drafted), sum(a for _k, a in drafted))
+    st = llm.engine.stats().spec
+    assert st.num_draft_tokens == 0 and st.num_drafts == 0  # shadow proposals are not drafts
+    # the guard's shadow tables hold every scored proposal, empty lookups included (1 token each)
+    assert sum(b.shadow[0][2] for b in spec.guard.buckets.values() if b.shadow) > 0
+
+
 @pytest.mark.parametrize("proposer,k", [("ngram", 3), ("ngram", "auto"), ("demo-draft", 4), ("demo-draft", "auto")])
 def test_greedy_identical_to_spec_off(greedy_reference, proposer, k):
     kw = dict(kv_cache_bytes="32MiB", dtype="float32", speculative_model=proposer, num_speculative_tokens=k)

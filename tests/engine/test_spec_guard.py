@@ -484,3 +484,77 @@ def test_guard_from_off_switches_when_two_caps_take_turns_beating_off():
     assert g.buckets[1].num_probes == 4, g.buckets[1].num_probes
     assert sum(1 for c in used if c == 0) <= 60
 
+
+
+# -- shadow proposals (session 16): n-gram acceptance measured while off ------------------------------------
+
+
+def _drive_shadow(rep: list[bool], steps: int, shadow: bool) -> tuple[float, int]:
+    """Like _drive_content, and on every k = 0 step the decoder's shadow bookkeeping (decoder._shadow_step): a
+    k_max proposal at the next position, resolved once the target's token after its kept prefix is known, fed to
+    observe_shadow. Returns (tokens/s over the run, the cap it ends on)."""
+    g = GoodputGuard(GuardConfig(k_max=6))
+    p, pend, t, tok = 0, None, 0.0, 0
+    for _ in range(steps):
+        c = g.cap(1, suggest=4)
+        if shadow:
+            if c:
+                pend = None
+            else:
+                if pend is not None and p > pend[0] + pend[2]:  # the token after the kept prefix is known
+                    g.observe_shadow(1, [pend[1:]])
+                    pend = None
+                if pend is None:
+                    d, a, _s = _ngram_step(rep, p, 6)
+                    pend = (p, d, a)
+        d, a, s = _ngram_step(rep, p, c)
+        p += a + 1
+        g.observe(1, c, a + 1, s, [(d, a)])
+        t, tok = t + s, tok + a + 1
+    return tok / t, g.current(1)
+
+
+@pytest.mark.parametrize("fresh0,fresh,repeat", [(120, 30, 150), (200, 40, 100)])
+def test_shadow_content_prices_caps_from_off(fresh0, fresh, repeat):
+    # session 15's batch-1 n-gram case: the output opens on fresh code (the ladder's rungs all run there and lose),
+    # then repeated spans. Without content while off, a cap is judged on its probes' 8-10 steps and auto ends 11-18%
+    # below the best fixed k here; scored shadow proposals give off's own content to every comparison made while off
+    # (and an early probe when it turns), and auto ends within 3% of the best fixed k
+    rep = ([False] * fresh0 + _bursty(fresh, repeat, 40000, 0))[:40000]
+    best = max(_fixed_rate(rep, k, 1000) for k in range(7))
+    new, cur = _drive_shadow(rep, 1000, shadow=True)
+    old, _ = _drive_shadow(rep, 1000, shadow=False)
+    assert new >= 0.97 * best and cur == 6, (new / best, cur)
+    assert old < 0.9 * best, old / best  # the scenario discriminates
+
+
+def test_shadow_content_does_not_turn_on_a_cap_that_costs_more_than_it_saves():
+    # every proposal keeps its first draft (two tokens per sequence-step under any cap), but a speculative step
+    # costs 3x an off step (a big batch): the rate on off's content loses, the bucket stays off, and probes stay
+    # rare (the early probe fires only when a cap's rate on off's content beats off)
+    g = GoodputGuard(GuardConfig(k_max=6))
+    n, off_steps, steps = 32, 0, 3000
+    for _ in range(steps):
+        c = g.cap(n)
+        if c == 0:
+            g.observe_shadow(n, [(6, 1)] * 8)
+        a = min(c, 1)  # a step under a cap keeps one draft per sequence, and costs 3x
+        g.observe(n, c, n * (1 + a), 0.010 * (3 if c else 1), [(c, a)] * n)
+        off_steps += c == 0
+    assert g.current(n) == 0 and off_steps > 0.9 * steps
+    b = g.buckets[bucket(n)]
+    assert b.num_probes <= steps // b.base + 1
+
+
+def test_observe_shadow_table_matches_a_hand_computation():
+    g = GoodputGuard(GuardConfig(k_max=4, min_samples=1))
+    g.cap(2)  # the bucket exists and is off
+    g.observe_shadow(2, [(4, 2), (0, 0)])  # a proposal kept 2 of 4 (3 tokens), an empty lookup (1 token)
+    sh = g.buckets[bucket(2)].shadow
+    for kk, need in {0: 3 + 1, 1: 3 / 2 + 1, 2: 1 + 1, 3: 1 + 1, 4: 1 + 1}.items():
+        assert sh[kk][0] == 4 and sh[kk][1] == pytest.approx(need) and sh[kk][2] == 1
+    with pytest.raises(ValueError, match="outside"):
+        g.observe_shadow(2, [(5, 1)])  # more drafts than k_max
+    g.buckets[bucket(2)].cur = 2  # a speculating bucket measures its own steps: shadow proposals are ignored
+    g.observe_shadow(2, [(4, 4)])
+    assert sh[4][2] == 1

@@ -32,6 +32,9 @@ from tokenmill.engine.spec.step_cost import SpecStepCost, StepCostConfig
 from tokenmill.engine.spec.verify import verify_greedy, verify_sampled
 
 SHORT_CATCHUP = 16  # draft tokens a catch-up may hold and still be a steady-state step (the decode-kernel path)
+# `auto` with a proposer whose lookup is nearly free (n-gram, ~7-25 us): at most this many new shadow proposals per
+# step (sequences at k = 0), so a big batch pays ~0.1 ms a step for them at most
+SHADOW_PER_STEP = 8
 
 # the cost model's prior (seconds: base, per decoding seq, per drafted token, per draft step, per spec seq):
 # the demo pair on the 2-core dev box, whole engine steps; measurements replace it within a few steps
@@ -70,6 +73,14 @@ class SpecDecoder:
         path = os.environ.get("TOKENMILL_SPEC_TRACE")
         self._trace = open(path.replace("{pid}", str(os.getpid())), "a", buffering=1 << 16) if path else None
         self._catchup = 0  # this step's longest draft catch-up (tokens the draft had not seen)
+        # shadow proposals (auto, n-gram): on a sequence's k = 0 steps the lookup still runs and its proposal is
+        # scored against the tokens the target then emits (the counterfactual acceptance, no verify): request id ->
+        # (position of the proposal's first token, the proposal); see _shadow_step
+        self.shadow = self.auto and getattr(proposer, "shadow", False)
+        self._shadow: dict[str, tuple[int, list[int]]] = {}
+        self.num_shadow = 0  # shadow proposals scored (resolved)
+        self.num_shadow_drafts = 0  # their drafted tokens
+        self.num_shadow_accepted = 0  # of which the target's own tokens matched (the counterfactual acceptance)
 
     # -- plan ------------------------------------------------------------------------------------
     def cap(self, req: Request) -> int:
@@ -120,10 +131,61 @@ class SpecDecoder:
             probing = False
         for k in ks:
             chosen[k] = chosen.get(k, 0) + 1
+        if self.shadow:
+            self._shadow_step(decoding, ks, rcaps)
         if not probing:
             self._record_k(decoding, ks, rcaps)
         self._shape = (n, sum(ks), max(ks), sum(1 for k in ks if k))
         return {r.request_id: k for r, k in zip(decoding, ks) if k}
+
+    def _shadow_step(self, decoding: list[Request], ks: list[int], rcaps: list[int]) -> None:
+        """Counterfactual acceptance on k = 0 steps (auto, a proposer whose lookup is free: n-gram).
+
+        A sequence at k = 0 gets a shadow proposal of min(k_max, its cap) tokens for the positions from its next
+        token on (the proposal speculation would have verified in this step). On its next k = 0 steps the tokens
+        the target emitted are compared with it: the first mismatch at j (or j = all, the target's next token
+        known) resolves it as (drafted, j kept), exactly what a verify of that proposal would have kept (greedy:
+        the target's token at each position after a kept prefix is the one it emitted; sampled with a point-mass
+        proposal: accepted with probability p(d), the chance the emitted token is d), covering j + 1 tokens, so
+        the next shadow proposal starts where a speculating sequence's next proposal would. Resolved proposals
+        feed the acceptance EMAs (per request and per proposer: the policy's α) and the guard's content tables
+        (GoodputGuard.observe_shadow: a cap is priced on off's content without a probe). A step that speculates
+        for the sequence drops its shadow (its real counts are the measurement then). No output changes: the
+        lookup has no side effects."""
+        pend = self._shadow
+        counts = []
+        n = len(decoding)
+        budget = SHADOW_PER_STEP
+        k_max = self.policy.k_max
+        start_i = (self.num_plans * SHADOW_PER_STEP) % n  # rotate who gets the step's new proposals
+        for i in range(n):
+            j = (start_i + i) % n
+            r = decoding[j]
+            rid = r.request_id
+            if ks[j]:
+                pend.pop(rid, None)
+                continue
+            toks = r.all_token_ids
+            p = pend.get(rid)
+            if p is not None:
+                start, prop = p
+                nt, m = len(toks), 0
+                while m < len(prop) and start + m < nt and toks[start + m] == prop[m]:
+                    m += 1
+                if start + m >= nt:  # the token that decides is not known yet
+                    continue
+                del pend[rid]
+                counts.append((len(prop), m))
+                if prop:
+                    self.num_shadow += 1
+                    self.num_shadow_drafts += len(prop)
+                    self.num_shadow_accepted += m
+                    self.acceptance.observe(rid, len(prop), m)
+            if budget and rcaps[j] > 0:
+                budget -= 1
+                pend[rid] = (len(toks), self.proposer.lookup(toks, min(k_max, rcaps[j])))
+        if counts:
+            self.guard.observe_shadow(n, counts)
 
     def _record_k(self, decoding: list[Request], ks: list[int], caps: list[int]) -> None:
         """The policy's choice becomes each sequence's previous k (the policy's hysteresis, the switch count)."""
@@ -257,6 +319,7 @@ class SpecDecoder:
 
     def forget(self, request_id: str) -> None:
         self.prev_k.pop(request_id, None)
+        self._shadow.pop(request_id, None)
         self.acceptance.forget(request_id)
         self.proposer.forget(request_id)
         self.drafts.pop(request_id, None)

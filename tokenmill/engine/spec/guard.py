@@ -70,6 +70,18 @@ one's own steps; a larger one on its probes' steps (its extra acceptance is know
 without the per-sequence counts (tests with synthetic rates) leaves the window tables alone: the arm's own
 tokens/seconds are used then (the comparison of rates measured on different steps, as before).
 
+Content while off (shadow proposals, n-gram only: a lookup costs microseconds, a draft model's proposal is k
+forwards). An off bucket has no drafted steps, so its caps were priced on their probes' 8-10 steps: a ladder run on
+the fresh opening of an output lost everywhere and kept the bucket off for hundreds of steps after the content had
+turned repetitive (session 15). The decoder now runs the lookup on k = 0 steps and scores the proposal against the
+tokens the target then emits (what a verify would have kept: exact for greedy, the same acceptance probability for
+a sampled point-mass proposal), one k_max proposal per a_i + 1 tokens, like a speculating sequence's. observe_shadow
+keeps their tokens and the sequence-steps each cap K' would have needed (the table above, for every K' <= k_max)
+while the bucket is off; every comparison made while off (the ladder's, the switch from off, which cap to probe)
+takes its content from there, its seconds per step still from the cap's own probes; and a measured cap whose rate
+on that content beats off by the margin is probed at once instead of after the doubled interval (at most once per
+max(base interval, amortised probe cost) steps). Leaving off drops the table (a later off stretch measures its own).
+
 Each arm's rate is the ratio of two EMAs (tokens and seconds, per observation of that arm), so a step that
 emitted 5 tokens and one that emitted 1 weigh by their time. No clock is read here: the engine passes the
 measured seconds in (the policy and this guard run in the simulator as well).
@@ -131,7 +143,8 @@ class _Arm:
 
 class _Bucket:
     __slots__ = ("cur", "arms", "steps", "next_probe", "interval", "probe_arm", "probe_left", "num_probes",
-                 "last_cap", "run", "seed", "base", "ladder", "pending", "win", "win_tail", "probe_cost", "cf")
+                 "last_cap", "run", "seed", "base", "ladder", "pending", "win", "win_tail", "probe_cost", "cf",
+                 "last_probe", "shadow")
 
     def __init__(self, k_max: int, probe_every: int, first_probe: int):
         self.cur = k_max
@@ -154,6 +167,10 @@ class _Bucket:
         # content-matched windows: cf[W][K'] = [tokens, sequence-steps K' would have needed, samples], EMAs over
         # the steps run at caps >= W (every K' <= W updated together: the same steps)
         self.cf: dict[int, dict[int, list[float]]] = {}
+        self.last_probe = 0  # the step the last probe started at
+        # while off: content of the shadow proposals (observe_shadow), shadow[K'] = [tokens, sequence-steps K'
+        # would have needed, samples]; None until the decoder sends any (a proposer without free lookups)
+        self.shadow: dict[int, list[float]] | None = None
 
 
 class GoodputGuard:
@@ -205,6 +222,7 @@ class GoodputGuard:
             b.next_probe = b.steps + b.interval
             if arm is not None:
                 b.num_probes += 1
+                b.last_probe = b.steps
                 a = b.arms.get(arm)  # an arm not yet measured enough gets a probe long enough to compare
                 need = self.cfg.min_samples + self.cfg.settle - (a.samples if a is not None else 0)
                 length = max(self.cfg.probe_len, need)
@@ -254,6 +272,8 @@ class GoodputGuard:
         # pending challenger and kept the bucket off for ~90 more steps, session 15): speculation beating off was
         # confirmed twice, the best cap now wins, the +-1 probes refine it from there
         if best != b.cur and (best == b.pending or (b.cur == 0 and b.pending is not None)):
+            if b.cur == 0:
+                b.shadow = None  # off's content; a later return to off measures its own
             b.cur, b.pending = best, None
             self.num_switches += 1
             b.interval = b.base
@@ -339,6 +359,10 @@ class GoodputGuard:
         a = b.arms.get(k)
         if a is None or not a.seconds > 0:
             return 0.0
+        if b.cur == 0 and b.shadow is not None and k > 0:  # off: the content of the shadow proposals around now
+            c = b.shadow[k]
+            if c[2] >= self.cfg.min_samples and c[1] > 0 and a.nseq > 0:
+                return c[0] / c[1] * a.nseq / a.seconds
         c = b.cf.get(w, {}).get(k) if w > 0 else None
         if c is None or c[2] < self.cfg.min_samples or not c[1] > 0 or not a.nseq > 0:
             return a.rate()
@@ -370,6 +394,39 @@ class GoodputGuard:
                 c[0] = d * c[0] + tokens
                 c[1] = d * c[1] + need[kk]
                 c[2] += 1
+
+    def observe_shadow(self, n: int, seqs) -> None:
+        """Shadow proposals scored on k = 0 steps of n decoding sequences (the decoder's _shadow_step, n-gram):
+        per proposal (drafted k_i <= k_max, kept a_i), what a verify would have kept, covering a_i + 1 tokens
+        like a sequence-step under a cap >= k_i. They fill the bucket's shadow table (for every cap K' <= k_max:
+        tokens, and the sequence-steps K' would have needed for them, EMAs as in _content), the content every
+        comparison uses while the bucket is off (_rate): a rung probed on a stretch of fresh code is judged on the
+        content of the off steps around it (its probe measures its seconds per step), and while off, a measured
+        cap whose rate on that content beats off by the margin is probed at once, not after the doubled interval
+        (the content changed since the last comparison; at most once per max(base interval, amortised probe
+        cost) steps). Only while the bucket is off: a speculating bucket measures its own steps."""
+        b = self.buckets.get(bucket(n))
+        if b is None or b.cur != 0 or not seqs:
+            return
+        k_max = self.cfg.k_max
+        for k, a in seqs:
+            if not 0 <= a <= k <= k_max:
+                raise ValueError(f"guard observe_shadow: accepted {a} / drafted {k} outside 0 <= a <= k <= {k_max}")
+        d = self.cfg.decay
+        emitted = [a + 1 for _k, a in seqs]
+        tokens = float(sum(emitted))
+        if b.shadow is None:
+            b.shadow = {kk: [0.0, 0.0, 0] for kk in range(k_max + 1)}
+        for kk, c in b.shadow.items():
+            c[0] = d * c[0] + tokens
+            c[1] = d * c[1] + sum(e / (min(a, kk) + 1) for e, (_k, a) in zip(emitted, seqs))
+            c[2] += 1
+        if (b.probe_arm is None and b.pending is None and b.steps < b.next_probe
+                and b.steps - b.last_probe >= max(b.base, self._amortised(b)) and self._next_rung(b) is None):
+            bar = 1 + self.cfg.margin
+            if any(a.samples >= self.cfg.min_samples and self._ratio(b, k, 0) > bar
+                   for k, a in b.arms.items() if k):
+                b.next_probe = b.steps  # the next cap() probes: _probe_target picks the best measured cap
 
     def probe_cost(self, n: int) -> float | None:
         """The measured cost of a probe in this bucket, seconds (None: not measured)."""

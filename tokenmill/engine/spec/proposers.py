@@ -35,6 +35,7 @@ class NgramProposer:
     name = "ngram"
     has_kv = False
     last_catchup = 0
+    shadow = True  # a lookup is free enough to run on k = 0 steps (auto's counterfactual acceptance)
 
     def __init__(self, min_n: int, max_n: int):
         if not 1 <= min_n <= max_n:
@@ -89,6 +90,7 @@ class DraftModelProposer:
 
     name = "draft"
     has_kv = True
+    shadow = False  # a proposal is k draft forwards: not run when it is not verified
     last_catchup = 0  # the last proposal's longest catch-up (tokens the draft had not seen)
 
     def __init__(self, runner, vocab_size: int, fast_loop: bool = True):
