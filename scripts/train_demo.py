@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "continuations (repeated 4-grams penalized), each followed by an MLE step")
     p.add_argument("--seq-ul-prefix", type=int, default=32, help="prefix tokens of a sequence-level UL step")
     p.add_argument("--seq-ul-len", type=int, default=64, help="greedy tokens generated per sequence-level UL step")
+    p.add_argument("--seq-ul-exempt-prompt", action="store_true",
+                   help="sequence-level UL: never penalize an n-gram that also occurs in the prompt (copying code "
+                        "with internal repeats is not a loop)")
     p.add_argument("--copy-frac", type=float, default=0.0,
                    help="joint phase: this share of each batch's windows repeat their own start (a block of code "
                         "that occurs twice), so the target learns to copy from its context")
@@ -296,26 +299,31 @@ def unlikelihood(logits: torch.Tensor, x: torch.Tensor, y: torch.Tensor, window:
     return -(torch.log((1 - p).clamp(min=1e-5)) * cand).sum() / (b * s)
 
 
-def repeated_ngram_mask(seq: torch.Tensor, start: int, n: int = 4) -> torch.Tensor:
+def repeated_ngram_mask(seq: torch.Tensor, start: int, n: int = 4, exempt_prompt: bool = False) -> torch.Tensor:
     """[B, L] tokens -> [B, L] bool: position t ends an n-gram of the continuation (positions >= start) that
     already occurred earlier in the continuation (Welleck et al.'s sequence-level candidates: the tokens that
     make a continuation loop). Only n-grams wholly inside the continuation count: copying from the prompt
     (code that is repeated, edited, refactored) is legitimate and must not be penalized — an earlier version
-    that counted the prefix's n-grams too taught the target not to copy (edit workload n-gram 2.19x -> 1.23x)."""
+    that counted the prefix's n-grams too taught the target not to copy (edit workload n-gram 2.19x -> 1.23x).
+    exempt_prompt: n-grams that also occur in the prompt (positions < start) are never penalized, even when the
+    continuation repeats them: a copy of prompt code whose own lines share n-grams (`self.`, indentation runs) is
+    copying, not a loop (session 16: without it, long-prefix UL taught the target to stop copying)."""
     b, length = seq.shape
     mask = torch.zeros(b, length, dtype=torch.bool)
     rows = seq.tolist()
     for i, row in enumerate(rows):
         seen = set()
+        prompt = {tuple(row[t - n + 1 : t + 1]) for t in range(n - 1, start)} if exempt_prompt else set()
         for t in range(start + n - 1, length):
             g = tuple(row[t - n + 1 : t + 1])
-            if g in seen:
+            if g in seen and g not in prompt:
                 mask[i, t] = True
             seen.add(g)
     return mask
 
 
-def sequence_unlikelihood(model, prefix: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, float]:
+def sequence_unlikelihood(model, prefix: torch.Tensor, new_tokens: int,
+                          exempt_prompt: bool = False) -> tuple[torch.Tensor, float]:
     """Sequence-level unlikelihood: greedy-decode new_tokens after each prefix [B, P] with the model itself,
     then -log(1 - p(x_t)) at the positions that repeat a 4-gram, mean over the continuation's positions.
     Returns (loss, share of repeating positions)."""
@@ -325,7 +333,7 @@ def sequence_unlikelihood(model, prefix: torch.Tensor, new_tokens: int) -> tuple
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=EOS_ID)
     model.train()
     p_len = prefix.shape[1]
-    mask = repeated_ngram_mask(seq, p_len)[:, 1:]  # aligned with the logits that predict seq[:, 1:]
+    mask = repeated_ngram_mask(seq, p_len, exempt_prompt=exempt_prompt)[:, 1:]  # aligned with the logits that predict seq[:, 1:]
     logits = model(input_ids=seq[:, :-1], use_cache=False).logits
     prob = torch.softmax(logits.float(), dim=-1).gather(-1, seq[:, 1:, None])[..., 0]
     ul = -(torch.log((1 - prob).clamp(min=1e-5)) * mask).sum() / (seq.shape[0] * new_tokens)
@@ -576,7 +584,7 @@ def train(args, target, draft, data: Batches) -> dict:
         batch = data.batch(args.skip_batches + args.steps + step)  # [B, S+1]
         lr = opt_t.peak * 0.25
         s_ul, rep = sequence_unlikelihood(target, seq_ul_prefixes(data, batch, step, args.seq_ul_prefix),
-                                          args.seq_ul_len)
+                                          args.seq_ul_len, args.seq_ul_exempt_prompt)
         opt_t.step(s_ul, lr)
         x, y = batch[:, :-1], batch[:, 1:]
         t_logits = target(input_ids=x, use_cache=False).logits
@@ -622,7 +630,7 @@ def train(args, target, draft, data: Batches) -> dict:
 def checkpoint_args(args) -> dict:
     """The arguments a checkpoint must agree with to be resumed (not --segment-s, --out, --threads)."""
     keep = ("seed", "steps", "distill_steps", "batch_size", "seq_len", "lr", "kl_weight", "init", "skip_batches",
-            "unlikelihood", "ul_window", "seq_ul_steps", "seq_ul_prefix", "seq_ul_len", "copy_frac",
+            "unlikelihood", "ul_window", "seq_ul_steps", "seq_ul_prefix", "seq_ul_len", "seq_ul_exempt_prompt", "copy_frac",
             "edit_frac", "induction_steps", "induction_len", "induction_rows", "induction_mix", "induction_weight",
             "induction_code_frac", "induction_vary",
             "gen_distill", "gen_prefix", "gen_len", "argmax_weight")

@@ -186,3 +186,16 @@ def test_induction_rows_repeat_their_span_and_vary_and_code_rows_come_from_the_t
     assert torch.equal(seen[-1], seen[-2])
     td.induction_loss(Probe(), 4, 64, 7)
     assert seen[-1].shape == (4, 127)
+
+
+def test_repeated_ngram_mask_exempts_prompt_ngrams_only_when_asked():
+    """Sequence-level UL's candidates (hand-computed, n = 2): a continuation bigram that repeats inside the
+    continuation is a loop; with exempt_prompt it is not penalized when the prompt holds it (a copy)."""
+    td = load_train_demo()
+    #          prompt: 1 2 3 | continuation: 1 2 9 1 2 9 7 7 7
+    seq = torch.tensor([[1, 2, 3, 1, 2, 9, 1, 2, 9, 7, 7, 7]])
+    plain = td.repeated_ngram_mask(seq, 3, n=2)[0].nonzero().flatten().tolist()
+    exempt = td.repeated_ngram_mask(seq, 3, n=2, exempt_prompt=True)[0].nonzero().flatten().tolist()
+    # continuation bigrams ending at t = 4..11: (1,2) (2,9) (9,1) (1,2)* (2,9)* (9,7) (7,7) (7,7)*
+    assert plain == [7, 8, 11]
+    assert exempt == [8, 11]  # (1, 2) is in the prompt: copying; (2, 9) and (7, 7) are not
