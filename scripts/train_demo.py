@@ -110,6 +110,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint", default=None,
                    help="state file: training saves it and exits with status 3 after --segment-s; re-run to resume")
     p.add_argument("--segment-s", type=float, default=540.0, help="seconds of training per segment (with --checkpoint)")
+    p.add_argument("--draft-induction-mix", type=int, default=0, metavar="ROWS",
+                   help="joint and distillation phases: the draft also takes ROWS induction rows per update (as "
+                        "--induction-mix: --induction-len, --induction-vary, --induction-code-frac, --induction-weight), "
+                        "so it can follow a target that copies from its context (a draft without the circuit cannot)")
+    p.add_argument("--seq-ul-edits", action="store_true",
+                   help="sequence-UL phase: its MLE updates take --edit-frac edit windows too (without them the "
+                        "phase trains on plain text only and the target's greedy copying fades)")
+    p.add_argument("--autocast", choices=("off", "bf16", "auto"), default="off",
+                   help="training forward passes under bf16 autocast (weights, optimizer and eval stay fp32): "
+                        "~2x faster on CPUs with native bf16 (avx512_bf16 / AMX); auto = bf16 there, else off; "
+                        "bf16 on a CPU that emulates it is refused (hundreds of times slower)")
     p.add_argument("--quick", action="store_true", help="smoke run: a few steps, tiny eval")
     args = p.parse_args(argv)
     if not 0 <= args.copy_frac <= 1 or not 0 <= args.edit_frac <= 1 or args.copy_frac + args.edit_frac > 1:
@@ -124,6 +135,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--gen-distill needs --init and --steps 0 --seq-ul-steps 0 (the continuations are the --init target's)")
     if args.gen_prefix < 1 or args.gen_len < 1 or args.argmax_weight < 0:
         p.error("--gen-prefix and --gen-len must be >= 1, --argmax-weight >= 0")
+    if args.draft_induction_mix < 0:
+        p.error("--draft-induction-mix must be >= 0")
+    from tokenmill.hardware import capabilities
+
+    native = capabilities().native_bf16
+    if args.autocast == "bf16" and not native:
+        p.error(f"--autocast bf16: this CPU emulates bf16 ({capabilities().summary()}); use --autocast off")
+    args.autocast = "bf16" if args.autocast == "auto" and native else ("off" if args.autocast == "auto" else args.autocast)
     if args.quick:
         args.steps, args.distill_steps, args.eval_windows, args.seq_len = 6, 2, 4, 128
     return args
@@ -207,6 +226,12 @@ def build(shape: dict, init: Path | None = None):
     return model
 
 
+def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits in fp32 (under --autocast bf16 the forward pass runs in bf16; losses stay fp32;
+    a no-op copy-free call on fp32 logits, so fp32 runs are unchanged). [B, S] -> [B, S, V]"""
+    return model(input_ids=ids, use_cache=False).logits.float()
+
+
 def num_params(model) -> int:
     return sum(p.numel() for p in model.parameters())  # tied embedding counted once
 
@@ -264,10 +289,11 @@ class Optimizer:
             for g in opt.param_groups:
                 g["lr"] = lr
             opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        for opt in self.opts:
-            opt.step()
+        with torch.autocast("cpu", enabled=False):  # gradient clipping, Newton-Schulz and the updates in fp32, always
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            for opt in self.opts:
+                opt.step()
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -334,7 +360,7 @@ def sequence_unlikelihood(model, prefix: torch.Tensor, new_tokens: int,
     model.train()
     p_len = prefix.shape[1]
     mask = repeated_ngram_mask(seq, p_len, exempt_prompt=exempt_prompt)[:, 1:]  # aligned with the logits that predict seq[:, 1:]
-    logits = model(input_ids=seq[:, :-1], use_cache=False).logits
+    logits = logits_of(model, seq[:, :-1])
     prob = torch.softmax(logits.float(), dim=-1).gather(-1, seq[:, 1:, None])[..., 0]
     ul = -(torch.log((1 - prob).clamp(min=1e-5)) * mask).sum() / (seq.shape[0] * new_tokens)
     return ul, mask[:, p_len - 1 :].float().mean().item()
@@ -451,7 +477,7 @@ def induction_loss(model, rows: int, length: int, seed: int, code: torch.Tensor 
         off = torch.randint(0, code.shape[1] - length + 1, (m,), generator=g)
         r[rows - m :] = torch.stack([code[i, o : o + length] for i, o in zip(idx.tolist(), off.tolist())])
     seq = torch.cat([r, r], dim=1)
-    logits = model(input_ids=seq[:, :-1], use_cache=False).logits[:, length - 1 :]
+    logits = logits_of(model, seq[:, :-1])[:, length - 1 :]
     return F.cross_entropy(logits.reshape(-1, VOCAB), seq[:, length:].reshape(-1))
 
 
@@ -520,6 +546,11 @@ def train(args, target, draft, data: Batches) -> dict:
     trained0 = log["train_s"]
 
     edits = EditWindows() if args.edit_frac else None
+
+    def draft_induction(step: int) -> torch.Tensor:
+        """--draft-induction-mix: the draft's own induction rows for a global step (other seeds than the target's)."""
+        return induction_loss(draft, args.draft_induction_mix, args.induction_len, args.seed * 1_000_003 + 2_000_000 + step,
+                              data.train, args.induction_code_frac, args.induction_vary)
     ind = args.induction_steps
     # global steps: induction, joint, then sequence-level UL, then distillation
     seq_end = ind + args.steps + args.seq_ul_steps
@@ -547,7 +578,7 @@ def train(args, target, draft, data: Batches) -> dict:
         batch = with_copies(data.batch(args.skip_batches + step), step, args.copy_frac)  # [B, S+1]
         batch = with_edits(batch, step, args.edit_frac, edits)
         x, y = batch[:, :-1], batch[:, 1:].reshape(-1)
-        t_logits = target(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)  # [B*S, V]
+        t_logits = logits_of(target, x).reshape(-1, VOCAB)  # [B*S, V]
         t_loss = F.cross_entropy(t_logits, y)
         t_obj = t_loss
         if args.unlikelihood:
@@ -558,9 +589,12 @@ def train(args, target, draft, data: Batches) -> dict:
                                     data.train, args.induction_code_frac, args.induction_vary)
             t_obj = t_obj + args.induction_weight * ind_ce
         opt_t.step(t_obj, lr_at(step, args.steps, opt_t.peak, warmup))
-        d_logits = draft(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
+        d_logits = logits_of(draft, x).reshape(-1, VOCAB)
         d_ce = F.cross_entropy(d_logits, y)
         d_loss = (1 - args.kl_weight) * d_ce + args.kl_weight * kl_to(t_logits.detach(), d_logits)
+        if args.draft_induction_mix:
+            d_ind = draft_induction(step)
+            d_loss = d_loss + args.induction_weight * d_ind
         opt_d.step(d_loss, lr_at(step, args.steps, opt_d.peak, warmup))
         if step % 20 == 0 or step == args.steps - 1:
             el = time.time() - t0
@@ -587,7 +621,10 @@ def train(args, target, draft, data: Batches) -> dict:
                                           args.seq_ul_len, args.seq_ul_exempt_prompt)
         opt_t.step(s_ul, lr)
         x, y = batch[:, :-1], batch[:, 1:]
-        t_logits = target(input_ids=x, use_cache=False).logits
+        if args.seq_ul_edits:
+            batch = with_edits(batch, 1_000_000 + step, args.edit_frac, edits)
+            x, y = batch[:, :-1], batch[:, 1:]
+        t_logits = logits_of(target, x)
         t_loss = F.cross_entropy(t_logits.reshape(-1, VOCAB), y.reshape(-1))
         obj = t_loss + args.unlikelihood * unlikelihood(t_logits, x, y, args.ul_window) if args.unlikelihood else t_loss
         if args.induction_mix:
@@ -605,18 +642,21 @@ def train(args, target, draft, data: Batches) -> dict:
         maybe_checkpoint(ind + args.steps + step + 1)
     target.eval()
     peak = opt_d.peak * 0.5
-    gen = generated_rows(args, data) if args.gen_distill else None
+    with torch.autocast("cpu", enabled=False):  # the rows are the target as tokenmill serves it
+        gen = generated_rows(args, data) if args.gen_distill else None
     for step in range(max(0, start - seq_end), args.distill_steps):
         if gen is not None:
             x = gen[step * args.batch_size : (step + 1) * args.batch_size, :-1]
         else:
             x = data.batch(args.skip_batches + seq_end - ind + step)[:, :-1]
         with torch.no_grad():
-            t_logits = target(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
-        d_logits = draft(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
+            t_logits = logits_of(target, x).reshape(-1, VOCAB)
+        d_logits = logits_of(draft, x).reshape(-1, VOCAB)
         d_loss = kl_to(t_logits, d_logits)
         if args.argmax_weight:
             d_loss = d_loss + args.argmax_weight * F.cross_entropy(d_logits, t_logits.argmax(-1))
+        if args.draft_induction_mix:
+            d_loss = d_loss + args.induction_weight * draft_induction(seq_end + step)
         opt_d.step(d_loss, lr_at(step, args.distill_steps, peak, max(1, args.distill_steps // 10)))
         if step % 20 == 0 or step == args.distill_steps - 1:
             print(f"distill {step:4d}/{args.distill_steps} kl {d_loss.item():.3f} "
@@ -633,8 +673,10 @@ def checkpoint_args(args) -> dict:
             "unlikelihood", "ul_window", "seq_ul_steps", "seq_ul_prefix", "seq_ul_len", "seq_ul_exempt_prompt", "copy_frac",
             "edit_frac", "induction_steps", "induction_len", "induction_rows", "induction_mix", "induction_weight",
             "induction_code_frac", "induction_vary",
-            "gen_distill", "gen_prefix", "gen_len", "argmax_weight")
-    return {k: getattr(args, k) for k in keep}
+            "gen_distill", "gen_prefix", "gen_len", "argmax_weight", "draft_induction_mix", "seq_ul_edits", "autocast")
+    out = {k: getattr(args, k) for k in keep}
+    out["autocast"] = out["autocast"] if out["autocast"] != "off" else False  # off matches a checkpoint without it
+    return out
 
 
 # -- evaluation ---------------------------------------------------------------------------------
@@ -727,7 +769,8 @@ def main(argv=None) -> int:
     draft = build(DRAFT, init / "demo-draft" if init else None)
     print(f"params: target {num_params(target):,} draft {num_params(draft):,}", flush=True)
     try:
-        log = train(args, target, draft, Batches(train_w, args.batch_size, args.seed))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
+            log = train(args, target, draft, Batches(train_w, args.batch_size, args.seed))
     except SegmentDone as e:
         print(f"segment done: {e}; run the same command again to resume", flush=True)
         return 3
@@ -757,7 +800,8 @@ def main(argv=None) -> int:
                                                            "induction_rows", "induction_mix", "induction_weight",
                                                            "induction_code_frac", "induction_vary",
                                                            "gen_distill", "gen_prefix",
-                                                           "gen_len", "argmax_weight")},
+                                                           "gen_len", "argmax_weight", "draft_induction_mix",
+                                                           "seq_ul_edits", "autocast")},
         "heldout_eval": metrics,
         "train_log": log,
         "torch": torch.__version__,

@@ -199,3 +199,56 @@ def test_repeated_ngram_mask_exempts_prompt_ngrams_only_when_asked():
     # continuation bigrams ending at t = 4..11: (1,2) (2,9) (9,1) (1,2)* (2,9)* (9,7) (7,7) (7,7)*
     assert plain == [7, 8, 11]
     assert exempt == [8, 11]  # (1, 2) is in the prompt: copying; (2, 9) and (7, 7) are not
+
+
+def test_autocast_flag_follows_the_cpu_and_refuses_emulated_bf16(monkeypatch):
+    """--autocast auto is bf16 only where bf16 is native; an explicit bf16 on a CPU that emulates it is a CLI
+    error, not a run hundreds of times slower."""
+    import tokenmill.hardware as hw
+
+    td = load_train_demo()
+    amx = hw.detect("model name : X\nflags : avx2 fma avx512f avx512_bf16 amx_bf16\n", env={})
+    avx2 = hw.detect("model name : Y\nflags : avx2 fma\n", env={})
+    assert amx.native_bf16 and not avx2.native_bf16
+    monkeypatch.setattr(hw, "capabilities", lambda: amx)
+    assert td.parse_args(["--out", "x", "--autocast", "auto"]).autocast == "bf16"
+    assert td.parse_args(["--out", "x"]).autocast == "off"
+    monkeypatch.setattr(hw, "capabilities", lambda: avx2)
+    assert td.parse_args(["--out", "x", "--autocast", "auto"]).autocast == "off"
+    with pytest.raises(SystemExit):
+        td.parse_args(["--out", "x", "--autocast", "bf16"])
+    # a checkpoint written before the flag existed (no "autocast" key) still resumes a run with it off
+    args = td.parse_args(["--out", "x"])
+    assert td.checkpoint_args(args)["autocast"] is False
+
+
+def test_optimizer_step_is_fp32_inside_bf16_autocast():
+    """Under --autocast bf16 only the forward passes are bf16: the same gradients give bit-identical weights
+    whether the optimizer step (Muon's Newton-Schulz, AdamW) runs inside the autocast region or outside it."""
+    td = load_train_demo()
+    torch.manual_seed(0)
+    class Net(torch.nn.Module):  # the names Optimizer sorts by: embed_tokens and 1-D gains -> AdamW, the rest Muon
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens, self.norm = torch.nn.Embedding(16, 24), torch.nn.LayerNorm(24)
+            self.proj = torch.nn.Linear(24, 40, bias=False)
+
+        def forward(self, ids):
+            return self.proj(self.norm(self.embed_tokens(ids)))
+
+    nets = [Net() for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    ids = torch.randint(0, 16, (3, 5))
+    for i, net in enumerate(nets):
+        opt = td.Optimizer(net, 1e-2)
+        loss = net(ids).float().pow(2).mean()  # fp32 forward for both: the same gradients
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=i == 1):
+            opt.step(loss, 1e-2)
+    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(a, b)
+    # and logits_of hands fp32 logits to the losses from a bf16 forward pass
+    class M(torch.nn.Module):
+        def forward(self, input_ids, use_cache):
+            return type("O", (), {"logits": torch.zeros(1, 2, 3, dtype=torch.bfloat16)})()
+
+    assert td.logits_of(M(), torch.zeros(1, 2, dtype=torch.long)).dtype == torch.float32
