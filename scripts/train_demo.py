@@ -117,10 +117,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-ul-edits", action="store_true",
                    help="sequence-UL phase: its MLE updates take --edit-frac edit windows too (without them the "
                         "phase trains on plain text only and the target's greedy copying fades)")
-    p.add_argument("--autocast", choices=("off", "bf16", "auto"), default="off",
-                   help="training forward passes under bf16 autocast (weights, optimizer and eval stay fp32): "
-                        "~2x faster on CPUs with native bf16 (avx512_bf16 / AMX); auto = bf16 there, else off; "
-                        "bf16 on a CPU that emulates it is refused (hundreds of times slower)")
     p.add_argument("--quick", action="store_true", help="smoke run: a few steps, tiny eval")
     args = p.parse_args(argv)
     if not 0 <= args.copy_frac <= 1 or not 0 <= args.edit_frac <= 1 or args.copy_frac + args.edit_frac > 1:
@@ -137,12 +133,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--gen-prefix and --gen-len must be >= 1, --argmax-weight >= 0")
     if args.draft_induction_mix < 0:
         p.error("--draft-induction-mix must be >= 0")
-    from tokenmill.hardware import capabilities
-
-    native = capabilities().native_bf16
-    if args.autocast == "bf16" and not native:
-        p.error(f"--autocast bf16: this CPU emulates bf16 ({capabilities().summary()}); use --autocast off")
-    args.autocast = "bf16" if args.autocast == "auto" and native else ("off" if args.autocast == "auto" else args.autocast)
     if args.quick:
         args.steps, args.distill_steps, args.eval_windows, args.seq_len = 6, 2, 4, 128
     return args
@@ -227,9 +217,8 @@ def build(shape: dict, init: Path | None = None):
 
 
 def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
-    """The model's logits in fp32 (under --autocast bf16 the forward pass runs in bf16; losses stay fp32;
-    a no-op copy-free call on fp32 logits, so fp32 runs are unchanged). [B, S] -> [B, S, V]"""
-    return model(input_ids=ids, use_cache=False).logits.float()
+    """The model's logits for a training loss. [B, S] -> [B, S, V]"""
+    return model(input_ids=ids, use_cache=False).logits
 
 
 def num_params(model) -> int:
@@ -289,11 +278,10 @@ class Optimizer:
             for g in opt.param_groups:
                 g["lr"] = lr
             opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", enabled=False):  # gradient clipping, Newton-Schulz and the updates in fp32, always
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            for opt in self.opts:
-                opt.step()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        for opt in self.opts:
+            opt.step()
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -642,8 +630,7 @@ def train(args, target, draft, data: Batches) -> dict:
         maybe_checkpoint(ind + args.steps + step + 1)
     target.eval()
     peak = opt_d.peak * 0.5
-    with torch.autocast("cpu", enabled=False):  # the rows are the target as tokenmill serves it
-        gen = generated_rows(args, data) if args.gen_distill else None
+    gen = generated_rows(args, data) if args.gen_distill else None
     for step in range(max(0, start - seq_end), args.distill_steps):
         if gen is not None:
             x = gen[step * args.batch_size : (step + 1) * args.batch_size, :-1]
@@ -673,10 +660,8 @@ def checkpoint_args(args) -> dict:
             "unlikelihood", "ul_window", "seq_ul_steps", "seq_ul_prefix", "seq_ul_len", "seq_ul_exempt_prompt", "copy_frac",
             "edit_frac", "induction_steps", "induction_len", "induction_rows", "induction_mix", "induction_weight",
             "induction_code_frac", "induction_vary",
-            "gen_distill", "gen_prefix", "gen_len", "argmax_weight", "draft_induction_mix", "seq_ul_edits", "autocast")
-    out = {k: getattr(args, k) for k in keep}
-    out["autocast"] = out["autocast"] if out["autocast"] != "off" else False  # off matches a checkpoint without it
-    return out
+            "gen_distill", "gen_prefix", "gen_len", "argmax_weight", "draft_induction_mix", "seq_ul_edits")
+    return {k: getattr(args, k) for k in keep}
 
 
 # -- evaluation ---------------------------------------------------------------------------------
@@ -769,8 +754,7 @@ def main(argv=None) -> int:
     draft = build(DRAFT, init / "demo-draft" if init else None)
     print(f"params: target {num_params(target):,} draft {num_params(draft):,}", flush=True)
     try:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast == "bf16"):
-            log = train(args, target, draft, Batches(train_w, args.batch_size, args.seed))
+        log = train(args, target, draft, Batches(train_w, args.batch_size, args.seed))
     except SegmentDone as e:
         print(f"segment done: {e}; run the same command again to resume", flush=True)
         return 3
@@ -801,7 +785,7 @@ def main(argv=None) -> int:
                                                            "induction_code_frac", "induction_vary",
                                                            "gen_distill", "gen_prefix",
                                                            "gen_len", "argmax_weight", "draft_induction_mix",
-                                                           "seq_ul_edits", "autocast")},
+                                                           "seq_ul_edits")},
         "heldout_eval": metrics,
         "train_log": log,
         "torch": torch.__version__,
