@@ -556,7 +556,9 @@ def train(args, target, draft, data: Batches) -> dict:
     log.setdefault("induction", [])
     for step in range(start, ind):
         # Olsson et al. 2022's induction task: [r, r] for random r, cross entropy on the second r only
-        loss = induction_loss(target, args.induction_rows, args.induction_len, args.seed * 1_000_003 + step)
+        # (--induction-vary: varied span lengths here too, so no fixed offset solves the warm-up either)
+        loss = induction_loss(target, args.induction_rows, args.induction_len, args.seed * 1_000_003 + step,
+                              vary=args.induction_vary)
         opt_t.step(loss, opt_t.peak)
         if step % 20 == 0 or step == ind - 1:
             print(f"induction {step:4d}/{ind} repeat ce {loss.item():.3f} elapsed {time.time() - t0:.0f}s", flush=True)
