@@ -24,7 +24,8 @@ for (o,i) in [(768,256),(256,256),(1408,256),(256,704)]:
     for m in [1,2,3,4,5,8]:
         x=torch.randn(m,i,dtype=torch.bfloat16)
         row.append(f"{m}:{t(lambda: pw(x)):.1f}")
-    row.append(f"onednn5:{t(lambda: torch.nn.functional.linear(torch.randn(5,i,dtype=torch.bfloat16),w)):.1f}")
+    x5 = torch.randn(5, i, dtype=torch.bfloat16)
+    row.append(f"onednn5:{t(lambda: torch.nn.functional.linear(x5, w)):.1f}")
     print(f"linear {o}x{i} us:", " ".join(row))
 emb=torch.randn(4096,256,dtype=torch.bfloat16)
 ph=PackedHead.build(emb)

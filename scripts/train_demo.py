@@ -216,11 +216,6 @@ def build(shape: dict, init: Path | None = None):
     return model
 
 
-def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
-    """The model's logits for a training loss. [B, S] -> [B, S, V]"""
-    return model(input_ids=ids, use_cache=False).logits
-
-
 def num_params(model) -> int:
     return sum(p.numel() for p in model.parameters())  # tied embedding counted once
 
@@ -348,7 +343,7 @@ def sequence_unlikelihood(model, prefix: torch.Tensor, new_tokens: int,
     model.train()
     p_len = prefix.shape[1]
     mask = repeated_ngram_mask(seq, p_len, exempt_prompt=exempt_prompt)[:, 1:]  # aligned with the logits that predict seq[:, 1:]
-    logits = logits_of(model, seq[:, :-1])
+    logits = model(input_ids=seq[:, :-1], use_cache=False).logits
     prob = torch.softmax(logits.float(), dim=-1).gather(-1, seq[:, 1:, None])[..., 0]
     ul = -(torch.log((1 - prob).clamp(min=1e-5)) * mask).sum() / (seq.shape[0] * new_tokens)
     return ul, mask[:, p_len - 1 :].float().mean().item()
@@ -465,7 +460,7 @@ def induction_loss(model, rows: int, length: int, seed: int, code: torch.Tensor 
         off = torch.randint(0, code.shape[1] - length + 1, (m,), generator=g)
         r[rows - m :] = torch.stack([code[i, o : o + length] for i, o in zip(idx.tolist(), off.tolist())])
     seq = torch.cat([r, r], dim=1)
-    logits = logits_of(model, seq[:, :-1])[:, length - 1 :]
+    logits = model(input_ids=seq[:, :-1], use_cache=False).logits[:, length - 1 :]
     return F.cross_entropy(logits.reshape(-1, VOCAB), seq[:, length:].reshape(-1))
 
 
@@ -568,7 +563,7 @@ def train(args, target, draft, data: Batches) -> dict:
         batch = with_copies(data.batch(args.skip_batches + step), step, args.copy_frac)  # [B, S+1]
         batch = with_edits(batch, step, args.edit_frac, edits)
         x, y = batch[:, :-1], batch[:, 1:].reshape(-1)
-        t_logits = logits_of(target, x).reshape(-1, VOCAB)  # [B*S, V]
+        t_logits = target(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)  # [B*S, V]
         t_loss = F.cross_entropy(t_logits, y)
         t_obj = t_loss
         if args.unlikelihood:
@@ -579,12 +574,11 @@ def train(args, target, draft, data: Batches) -> dict:
                                     data.train, args.induction_code_frac, args.induction_vary)
             t_obj = t_obj + args.induction_weight * ind_ce
         opt_t.step(t_obj, lr_at(step, args.steps, opt_t.peak, warmup))
-        d_logits = logits_of(draft, x).reshape(-1, VOCAB)
+        d_logits = draft(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
         d_ce = F.cross_entropy(d_logits, y)
         d_loss = (1 - args.kl_weight) * d_ce + args.kl_weight * kl_to(t_logits.detach(), d_logits)
         if args.draft_induction_mix:
-            d_ind = draft_induction(step)
-            d_loss = d_loss + args.induction_weight * d_ind
+            d_loss = d_loss + args.induction_weight * draft_induction(step)
         opt_d.step(d_loss, lr_at(step, args.steps, opt_d.peak, warmup))
         if step % 20 == 0 or step == args.steps - 1:
             el = time.time() - t0
@@ -610,11 +604,10 @@ def train(args, target, draft, data: Batches) -> dict:
         s_ul, rep = sequence_unlikelihood(target, seq_ul_prefixes(data, batch, step, args.seq_ul_prefix),
                                           args.seq_ul_len, args.seq_ul_exempt_prompt)
         opt_t.step(s_ul, lr)
-        x, y = batch[:, :-1], batch[:, 1:]
         if args.seq_ul_edits:
             batch = with_edits(batch, 1_000_000 + step, args.edit_frac, edits)
-            x, y = batch[:, :-1], batch[:, 1:]
-        t_logits = logits_of(target, x)
+        x, y = batch[:, :-1], batch[:, 1:]
+        t_logits = target(input_ids=x, use_cache=False).logits
         t_loss = F.cross_entropy(t_logits.reshape(-1, VOCAB), y.reshape(-1))
         obj = t_loss + args.unlikelihood * unlikelihood(t_logits, x, y, args.ul_window) if args.unlikelihood else t_loss
         if args.induction_mix:
@@ -639,8 +632,8 @@ def train(args, target, draft, data: Batches) -> dict:
         else:
             x = data.batch(args.skip_batches + seq_end - ind + step)[:, :-1]
         with torch.no_grad():
-            t_logits = logits_of(target, x).reshape(-1, VOCAB)
-        d_logits = logits_of(draft, x).reshape(-1, VOCAB)
+            t_logits = target(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
+        d_logits = draft(input_ids=x, use_cache=False).logits.reshape(-1, VOCAB)
         d_loss = kl_to(t_logits, d_logits)
         if args.argmax_weight:
             d_loss = d_loss + args.argmax_weight * F.cross_entropy(d_logits, t_logits.argmax(-1))

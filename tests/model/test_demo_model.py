@@ -200,3 +200,12 @@ def test_repeated_ngram_mask_exempts_prompt_ngrams_only_when_asked():
     assert plain == [7, 8, 11]
     assert exempt == [8, 11]  # (1, 2) is in the prompt: copying; (2, 9) and (7, 7) are not
 
+
+def test_new_recipe_options_are_checked_and_bind_a_checkpoint():
+    """--draft-induction-mix below 0 is a CLI error; both session-17 options change the math, so a checkpoint written
+    with other values must not resume (they are among checkpoint_args)."""
+    td = load_train_demo()
+    with pytest.raises(SystemExit):
+        td.parse_args(["--out", "x", "--draft-induction-mix", "-1"])
+    a = td.parse_args(["--out", "x", "--draft-induction-mix", "8", "--seq-ul-edits"])
+    assert td.checkpoint_args(a)["draft_induction_mix"] == 8 and td.checkpoint_args(a)["seq_ul_edits"] is True
