@@ -45,6 +45,12 @@ class Capabilities:
         return has and self._isa_allows("AVX512_CORE_BF16")
 
     @property
+    def amx_bf16(self) -> bool:
+        """AMX bf16 tiles (Sapphire Rapids and later) on top of native bf16, and oneDNN may use them."""
+        return (self.native_bf16 and "amx_tile" in self.cpu_flags and "amx_bf16" in self.cpu_flags
+                and self._isa_allows("AVX512_CORE_AMX"))
+
+    @property
     def native_int8(self) -> bool:
         """The CPU has int8 dot products (VNNI or AMX) and oneDNN may use them."""
         if "avx512_vnni" in self.cpu_flags or "amx_int8" in self.cpu_flags:

@@ -10,7 +10,7 @@ import torch
 
 from tokenmill.hardware import capabilities
 from tokenmill.model.cpu_kernels import get_kernels
-from tokenmill.model.linear import PackedWeight, small_row_bits
+from tokenmill.model.linear import PackedWeight, amx_on, small_row_bits
 
 pytestmark = pytest.mark.skipif(get_kernels() is None or not capabilities().native_bf16,
                                 reason="no C++ CPU kernels / native bf16 on this machine")
@@ -23,6 +23,43 @@ def _small_rows(w, x, bias):
     for i in range(0, x.shape[0], 8):
         get_kernels().linear_small(y[i:i + 8], x[i:i + 8].contiguous(), w, bias)
     return y
+
+
+def _amx() -> bool:
+    return amx_on(get_kernels())
+
+
+def _small_kernel_rows(pw, x, bias=None):
+    """The reference for PackedWeight's small-row bits: on AMX machines each row alone through the AMX kernel,
+    elsewhere linear_small over chunks of 8."""
+    if pw.amx is None:
+        return _small_rows(pw.weight, x, bias)
+    y = torch.empty(x.shape[0], pw.weight.shape[0], dtype=x.dtype)
+    for r in range(x.shape[0]):
+        assert get_kernels().linear_amx_bf16(y[r:r + 1], x[r:r + 1].contiguous(), pw.amx, bias)
+    return y
+
+
+@pytest.mark.skipif(get_kernels() is None or not _amx(), reason="no AMX bf16 tiles on this machine")
+@pytest.mark.parametrize("n,k", [(768, 256), (1408, 256), (256, 704), (4096, 256), (37, 64), (10, 96), (100, 320)])
+def test_amx_linear_rows_are_the_one_row_bits_and_the_product(n, k):
+    kern = get_kernels()
+    g = torch.Generator().manual_seed(3 * n + k)
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    b = (torch.randn(n, generator=g) * 0.1).bfloat16()
+    packed = kern.lm_head_pack_bf16(w)
+    x = torch.randn(40, k, generator=g).bfloat16()
+    for bias in (None, b):
+        one = torch.empty(40, n, dtype=torch.bfloat16)
+        for r in range(40):
+            assert kern.linear_amx_bf16(one[r:r + 1], x[r:r + 1].contiguous(), packed, bias)
+        ref = x.double() @ w.double().t() + (b.double() if bias is not None else 0)
+        assert (one.double() - ref).abs().max() <= 0.02 * ref.abs().max()  # bf16 output rounding, fp32 sums
+        for m in (2, 3, 5, 8, 9, 16, 17, 33, 40):  # 16 rows per tile pass, then a second pass
+            y = torch.empty(m, n, dtype=torch.bfloat16)
+            assert kern.linear_amx_bf16(y, x[:m].contiguous(), packed, bias)
+            assert torch.equal(y, one[:m]), (m, n, k)
+    assert not kern.linear_amx_bf16(torch.empty(3, n), torch.randn(3, k), packed, None)  # fp32: refused
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -45,13 +82,16 @@ def test_packed_weight_rows_do_not_depend_on_the_row_count(n, k):
     g = torch.Generator().manual_seed(7 + n)
     pw = PackedWeight(w := (torch.randn(n, k, generator=g) * 0.05).bfloat16())
     x = torch.randn(300, k, generator=g).bfloat16()
-    small = _small_rows(w, x, None)
-    assert torch.equal(pw(x[:5]), small[:5])  # <= 8 rows: linear_small itself
+    small = _small_kernel_rows(pw, x)
+    assert torch.equal(pw(x[:5]), small[:5])  # <= 8 rows: the small-row kernel itself (AMX / linear_small)
     for m in (9, 20, 64, 300):
         y = pw(x[:m])  # oneDNN: each row as at the front of a 9-row call
         for r in range(0, m, max(1, m // 6)):
             assert torch.equal(y[r], pw(torch.cat([x[r:r + 1], x[:8]]))[0]), (m, r)
         with small_row_bits(True):
             assert torch.equal(pw(x[:m]), small[:m])
-    if k >= 256:  # the two kernels do differ (why the context exists; short sums may happen to agree)
+    # the two kernels do differ (why the context exists; short sums may happen to agree). Not on AMX: oneDNN's
+    # bf16 GEMM there runs AMX tiles too, and for these K (<= 704) gives the AMX kernel's bits at every row count
+    # (measured; from K = 1024 on it splits K above ~16 rows and differs)
+    if k >= 256 and pw.amx is None:
         assert not torch.equal(pw(x[:300]), small)

@@ -36,13 +36,15 @@ def _isa_flags() -> tuple[str, list[str]]:
         flags, suffix = flags + avx512 + ["-mavx512bf16"], "_avx512bf16"
     if caps.native_int8 and "avx512_vnni" in caps.cpu_flags:  # int8 dot products for small-batch W8A8
         flags, suffix = list(dict.fromkeys(flags + avx512 + ["-mavx512vnni"])), suffix + "_vnni"
+    if caps.amx_bf16:  # AMX bf16 tiles: small-row linears and the lm_head at ~1-row cost for up to 16 rows
+        flags, suffix = flags + ["-mamx-tile", "-mamx-bf16"], suffix + "_amx"
     return suffix, flags
 
 
 # the extension's C++ sources (one module; paged_decode.cpp holds the module definition, which registers the rest)
 SOURCES = ["paged_decode.cpp", "prefill_attention.cpp", "lm_head.cpp", "decode_gemv.cpp", "mixed_stack.cpp",
-           "decode_step.cpp", "head_argmax.cpp", "int8_gemm.cpp"]
-HEADERS = ["simd_exp.h"]  # included by the sources: part of the build digest
+           "decode_step.cpp", "head_argmax.cpp", "int8_gemm.cpp", "amx_linear.cpp"]
+HEADERS = ["simd_exp.h", "amx_tile.h"]  # included by the sources: part of the build digest
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # storage types; the math is fp32 in both
 
 
@@ -83,6 +85,9 @@ def get_kernels():
     gemv = os.environ.get("TOKENMILL_DECODE_GEMV", "1")  # csrc/decode_gemv.cpp reads it; 0 = linear_small_vnni's loop
     if gemv not in ("0", "1"):
         raise ValueError(f"TOKENMILL_DECODE_GEMV must be 0 or 1, got {gemv!r}")
+    amx = os.environ.get("TOKENMILL_AMX", "1")  # csrc/amx_tile.h reads it; 0 = no AMX tiles (the AVX-512 kernels)
+    if amx not in ("0", "1"):
+        raise ValueError(f"TOKENMILL_AMX must be 0 or 1, got {amx!r}")
     attn = os.environ.get("TOKENMILL_DECODE_ATTN", "1")  # csrc/paged_decode.cpp reads it; 0 = the reference kernel
     if attn not in ("0", "1"):
         raise ValueError(f"TOKENMILL_DECODE_ATTN must be 0 or 1, got {attn!r}")

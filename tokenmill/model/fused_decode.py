@@ -107,7 +107,8 @@ class FusedDecodeStack:
             return KIND_INT8_FLOAT_ACT, [lin.w8, empty, lin.w_scale, bias] + big, lin.int8_gemm
         if lin.packed is None or lin.packed.small is None:  # the module path runs F.linear / oneDNN here
             return None
-        return KIND_FLOAT, [lin.packed.weight, empty, empty, bias, lin.packed.packed, empty], True
+        amx = lin.packed.amx if lin.packed.amx is not None else empty  # any_linear runs <= 8 rows on AMX with it
+        return KIND_FLOAT, [lin.packed.weight, amx, empty, bias, lin.packed.packed, empty], True
 
     @classmethod
     def build(cls, model) -> "FusedDecodeStack | None":

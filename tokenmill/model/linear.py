@@ -82,6 +82,12 @@ def onednn_available() -> bool:
                 and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def amx_on(kernels) -> bool:
+    """The compiled kernels have AMX bf16 tiles and this process may use them (the CPU has amx_bf16, the OS
+    grants the tile state, ONEDNN_MAX_CPU_ISA does not cap AMX away, TOKENMILL_AMX is not 0)."""
+    return kernels is not None and hasattr(kernels, "has_amx_bf16") and bool(kernels.has_amx_bf16())
+
+
 def onednn_bf16() -> bool:
     """oneDNN runs bf16 GEMMs on native instructions here (avx512_bf16 / AMX); elsewhere it emulates them,
     far slower than fp32, and bf16 weights stay on PyTorch's path."""
@@ -108,11 +114,24 @@ class PackedWeight:
         k = get_kernels()
         self.small = k.linear_small if k is not None and weight.is_contiguous() else None
         self.rows_bf16 = getattr(k, "linear_rows_bf16", None) if self.small is not None else None
+        # AMX CPUs: bf16 small-row calls run on AMX tiles (csrc/amx_linear.cpp), 1-16 rows at ~1-row cost, from a
+        # third copy of the weight in the tiles' pair layout; every small-row path of the model then has AMX bits
+        self.amx = None
+        if self.small is not None and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and amx_on(k):
+            self.amx = k.lm_head_pack_bf16(self.weight)
+            self.amx_linear = k.linear_amx_bf16
+
+    def small_rows(self, y: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """y = x2 W^T (+ b) with the small-row kernel's bits (AMX, else linear_small: at most SMALL_ROWS rows)."""
+        if self.amx is None or not self.amx_linear(y, x2, self.amx, bias):
+            self.small(y, x2, self.weight, bias)
 
     def small_bits(self, x2: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """Any number of rows, each with the bits linear_small gives it: the batch-invariant bf16 kernel (one
-        pass over the weight), else linear_small over chunks of SMALL_ROWS rows."""
+        """Any number of rows, each with the bits the small-row kernel gives it: AMX (any rows in one call), the
+        batch-invariant bf16 kernel (one pass over the weight), else linear_small over chunks of SMALL_ROWS rows."""
         y = torch.empty(x2.shape[0], self.weight.shape[0], dtype=x2.dtype)
+        if self.amx is not None and self.amx_linear(y, x2, self.amx, bias):
+            return y
         if self.rows_bf16 is not None and self.rows_bf16(y, x2, self.weight, bias):
             return y
         for i in range(0, x2.shape[0], self.SMALL_ROWS):
@@ -136,7 +155,7 @@ class PackedWeight:
         m = x2.shape[0]
         if self.small is not None and 0 < m <= self.SMALL_ROWS:
             y = torch.empty(m, self.weight.shape[0], dtype=x.dtype)
-            self.small(y, x2.contiguous(), self.weight, bias)
+            self.small_rows(y, x2.contiguous(), bias)
         elif self.small is not None and m and _SMALL_BITS[0]:
             y = self.small_bits(x2.contiguous(), bias)
         else:

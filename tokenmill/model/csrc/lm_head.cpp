@@ -21,6 +21,8 @@
 
 #include <type_traits>
 
+#include "amx_tile.h"  // TM_AMX where AMX bf16 tiles are compiled in
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define TM_LM_BF16 1
@@ -130,9 +132,46 @@ inline void reduce_row(const RowBest& b, float& val, int64_t& idx) {
     if (bv[l] > val || (bv[l] == val && bi[l] < idx)) { val = bv[l]; idx = bi[l]; }
 }
 
+#ifdef TM_AMX
+// run_rows on AMX tiles (csrc/amx_tile.h): 16 rows per TDPBF16PS pass, the fp32 sums through the same bf16 store /
+// argmax epilogue (tiles in increasing order per row, as the argmax needs). Its own bits (not vdpbf16ps's), the
+// same for logits and greedy, and per row whatever the row count.
+template <bool ARGMAX>
+void run_rows_amx(const uint32_t* xp, const uint32_t* wp, int64_t M, int64_t K2, int64_t N, int64_t t0, int64_t t1,
+                  at::BFloat16* op, RowBest* rb) {
+  alignas(64) float buf[16 * VT];
+  __m512 acc[MR][4];
+  const uint16_t* x16 = reinterpret_cast<const uint16_t*>(xp);
+  for (int64_t c0 = 0; c0 < M; c0 += 16) {
+    const int R = (int)std::min<int64_t>(16, M - c0);
+    tm_amx::configure(R);
+    for (int64_t t = t0; t < t1; ++t) {
+      tm_amx::tile64(x16, 2 * K2, c0, wp + t * K2 * VT, buf);
+      for (int r0 = 0; r0 < R; r0 += MR) {
+        const int n = std::min(MR, R - r0);
+        for (int m = 0; m < n; ++m)
+          for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_load_ps(buf + (r0 + m) * VT + 16 * j);
+        const int64_t m0 = c0 + r0, v0 = t * VT;
+        switch (n) {
+#define TM_AMX_EPI(Q) \
+  case Q: if (ARGMAX) argmax_tile<Q>(acc, rb, N, m0, v0); else store_tile<Q>(acc, op, N, m0, v0); break;
+          TM_AMX_EPI(1) TM_AMX_EPI(2) TM_AMX_EPI(3) TM_AMX_EPI(4) TM_AMX_EPI(5) TM_AMX_EPI(6)
+#undef TM_AMX_EPI
+          default: break;
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 template <bool ARGMAX>
 void run_rows(const uint32_t* xp, const uint32_t* wp, int64_t M, int64_t K2, int64_t N, int64_t t0, int64_t t1,
               at::BFloat16* op, RowBest* rb) {
+#ifdef TM_AMX
+  if (K2 % 16 == 0 && tm_amx::available()) return run_rows_amx<ARGMAX>(xp, wp, M, K2, N, t0, t1, op, rb);
+#endif
   __m512 acc[MR][4];
   for (int64_t t = t0; t < t1; ++t) {
     const uint32_t* wt = wp + t * K2 * VT;

@@ -1450,6 +1450,8 @@ static torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& 
   return st[0].toTensor();
 }
 
+bool linear_amx_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);  // csrc/amx_linear.cpp
+
 // the Linear modules' kernel choice per row count; shared by both fused stacks (mixed_stack.cpp declares it)
 torch::Tensor any_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w, int64_t base, int64_t kind,
                          int64_t n_out) {
@@ -1457,7 +1459,10 @@ torch::Tensor any_linear(const torch::Tensor& x, const std::vector<torch::Tensor
   const auto& bias = w[base + 3];
   if (T <= 8) {
     auto out = at::empty({T, n_out}, x.options());
-    if (kind == 0) linear_small(out, x, w[base], opt(bias));
+    if (kind == 0) {  // bf16 on AMX where PackedWeight packed it (slot 1), else the AVX-512/AVX2 kernel
+      if (w[base + 1].numel() == 0 || !linear_amx_bf16(out, x, w[base + 1], opt(bias)))
+        linear_small(out, x, w[base], opt(bias));
+    }
     else if (kind == 1) linear_small_vnni(out, x, w[base], w[base + 1], w[base + 2], opt(bias));
     else if (kind == 3) {
       if (!avx2_int8_gemv(out, x, w[base], w[base + 2], opt(bias)))
@@ -1612,6 +1617,7 @@ void register_mixed_stack(pybind11::module& m);  // csrc/mixed_stack.cpp
 void register_decode_step(pybind11::module& m);  // csrc/decode_step.cpp
 void register_head_argmax(pybind11::module& m);  // csrc/head_argmax.cpp
 void register_int8_gemm(pybind11::module& m);  // csrc/int8_gemm.cpp
+void register_amx_linear(pybind11::module& m);  // csrc/amx_linear.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU; fp32/bf16 q, any KV dtype)",
@@ -1649,4 +1655,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_step(m);
   register_head_argmax(m);
   register_int8_gemm(m);
+  register_amx_linear(m);
 }
