@@ -95,3 +95,26 @@ def test_packed_weight_rows_do_not_depend_on_the_row_count(n, k):
     # (measured; from K = 1024 on it splits K above ~16 rows and differs)
     if k >= 256 and pw.amx is None:
         assert not torch.equal(pw(x[:300]), small)
+
+
+@pytest.mark.skipif(get_kernels() is None or not _amx(), reason="no AMX bf16 tiles on this machine")
+def test_amx_switch_and_row_limit():
+    """TOKENMILL_AMX=0 keeps the AVX-512 small-row kernels (limit 8 rows); on, bf16 linears take AMX up to
+    amx_rows() rows and the model-wide limit is that; a value other than 0/1 is an error naming the variable."""
+    import subprocess
+    import sys
+
+    from tokenmill.model.linear import small_row_limit
+
+    pw = PackedWeight((torch.randn(64, 64) * 0.05).bfloat16())
+    assert pw.amx is not None and pw.small_limit == get_kernels().amx_rows() > 8
+    assert small_row_limit(torch.nn.Module()) == PackedWeight.SMALL_ROWS  # no linears: the plain limit
+    code = ("import torch; from tokenmill.model.linear import PackedWeight; "
+            "pw = PackedWeight(torch.randn(64, 64).bfloat16()); print(pw.amx is None, pw.small_limit)")
+    for env, expect in (("0", "True 8"), ("1", f"False {get_kernels().amx_rows()}")):
+        out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "TOKENMILL_AMX": env},
+                             capture_output=True, text=True, timeout=300)
+        assert out.stdout.split() == expect.split(), out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "TOKENMILL_AMX": "yes"},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "TOKENMILL_AMX" in out.stderr

@@ -179,11 +179,17 @@ def test_verify_steps_that_need_small_row_bits_skip_the_fused_stack():
     """A bf16 verify step of 4 sequences x (1 + 4 drafts) = 20 rows stands for a 4-row decode step: its rows must
     get the small-row kernels' bits (linear.small_row_bits), which the fused stack's > 8-row oneDNN path would not
     give. So under that context the stack takes no step of more than 8 rows; smaller steps still run fused, and
-    the output is token for token speculation off."""
-    from tokenmill.model.fused_decode import MAX_TOKENS
+    the output is token for token speculation off. On AMX the small-row kernel takes up to amx_rows() (256) rows
+    in the stack too: there 60 sequences x 5 rows = 300 rows stand for a 60-row step, and the stack's limit is 256."""
     from tokenmill.model.linear import small_row_bits_on
 
     prompts = [[3, 4, 5, 6] * 4, [9, 10, 11] * 5, [20, 21] * 7, [7, 8, 9, 10, 11] * 3]  # repetitive: n-gram drafts
+    probe = LLM("demo", kv_cache_bytes="32MiB", dtype="bfloat16")
+    limit = probe.engine.runner.model.fused.bits_rows
+    assert probe.engine.runner.small_rows == limit  # the runner's rule and the stack's agree
+    if limit > 8:  # AMX: more sequences, so that a verify step passes the stack's limit while its decode rows do not
+        prompts = [[(t + i) % 200 + 3 for t in p] for i in range(40) for p in prompts]  # 160 (~2.5 rows each)
+        assert limit >= len(prompts)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     off = LLM("demo", kv_cache_bytes="32MiB", dtype="bfloat16")
     ref = [r.outputs[0].token_ids for r in off.generate(prompts, params)]
@@ -194,7 +200,7 @@ def test_verify_steps_that_need_small_row_bits_skip_the_fused_stack():
     class Watching(_Counting):
         def applies(self, x, meta):
             ok = self.inner.applies(x, meta)
-            if x.shape[0] > MAX_TOKENS and small_row_bits_on():
+            if x.shape[0] > limit and small_row_bits_on():
                 seen["big_small_bits"] += 1
                 seen["big_fused_small_bits"] += int(ok)
             return ok

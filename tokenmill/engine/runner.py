@@ -14,7 +14,7 @@ import torch
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.model.attention import SCALED_KV_CACHES, AttentionMetadata, KVBlockGroups, ScaledKVCache, SeqSpan
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.linear import PackedWeight, small_row_bits
+from tokenmill.model.linear import small_row_bits, small_row_limit
 from tokenmill.model.llama import LlamaModel
 
 
@@ -87,6 +87,9 @@ class ModelRunner:
         # steps with prefill chunks: the last layer computes only the sampled rows past its attention
         # (AttentionMetadata.logits_rows); False: every row (the tests compare the two)
         self.prune_rows = True
+        # steps of at most this many rows compute every linear with the small-row kernel (8; AMX bf16: 256), so a
+        # verify step whose rows without drafts are that few takes those bits for all its rows (small_row_bits)
+        self.small_rows = small_row_limit(model)
         # decode-only steps (one token per sequence, no drafts): inputs built in one pass, one tensor for the four
         # per-token rows (see _execute_decode); False (or TOKENMILL_DECODE_FAST_PATH=0): the general path below
         from tokenmill.model.fused_decode import fast_path_by_env
@@ -266,7 +269,7 @@ class ModelRunner:
             meta.logits_rows = self._tensor(logits_idx)
         # verify rows get the linear kernels' bits of the step without drafts (lossless greedy in bf16: see
         # linear.small_row_bits); a step without drafts is unchanged
-        small = PackedWeight.SMALL_ROWS
+        small = self.small_rows
         with small_row_bits(base_rows <= small < len(input_ids)):
             hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta)
         if not logits_idx:
@@ -350,7 +353,7 @@ class ModelRunner:
         n = len(ids)
         rows, meta = self._decode_rows(ids, pos, slots, ctx, tables)
         # as the general path: the rows without drafts are one per sequence (lossless greedy in bf16: small_row_bits)
-        bits = len(sched.seqs) <= PackedWeight.SMALL_ROWS < n
+        bits = len(sched.seqs) <= self.small_rows < n
         with small_row_bits(bits):
             hidden = self.model(rows[0], rows[1], self.kv_caches, meta)
         if greedy:

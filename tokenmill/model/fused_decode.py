@@ -84,6 +84,13 @@ class FusedDecodeStack:
         self.kernels, self.weights, self.kinds, self.final_norm = kernels, weights, kinds, final_norm
         self.eps, self.nh, self.nkv, self.hd, self.inter, self.scale = eps, nh, nkv, hd, inter, scale
         self.max_tokens = max_tokens  # the largest step it runs (ANY, or MAX_TOKENS when a linear has no big path)
+        # the most rows for which every linear here takes its small-row kernel (any_linear): AMX's amx_rows() when
+        # every linear is bf16 with an AMX-packed weight (slot 1), else MAX_TOKENS. Under linear.small_row_bits a
+        # bigger step goes to the modules, which give every row the small-row bits
+        amx = all(k == KIND_FLOAT for k in kinds) and all(
+            weights[i * LAYER_SLOTS_PY + 4 + j * LIN_SLOTS_PY + 1].numel() > 0
+            for i in range(len(kinds) // 4) for j in range(4))
+        self.bits_rows = int(kernels.amx_rows()) if amx and hasattr(kernels, "amx_rows") else MAX_TOKENS
         self._caches_key: tuple | None = None
         self._caches: list[torch.Tensor] = []
         # the C++-held arguments (built at the first call: the rope tables come with it); None: pass them per call
@@ -143,8 +150,8 @@ class FusedDecodeStack:
         """This step is one the fused path runs: all tokens decode-style, at most `max_tokens` of them, x in a
         dtype the kernels take."""
         t = x.shape[0]
-        if t > MAX_TOKENS and small_row_bits_on():  # a verify step that must get the small-row kernels' bits: its
-            return False  # > 8 rows would take oneDNN here; the modules honour linear.small_row_bits
+        if t > self.bits_rows and small_row_bits_on():  # a verify step that must get the small-row kernels' bits:
+            return False  # more rows would take oneDNN here; the modules honour linear.small_row_bits
         return (0 < t <= self.max_tokens and not meta.spans and meta.decode_token_idx is not None
                 and meta.decode_token_idx.shape[0] == t and x.is_contiguous())
 

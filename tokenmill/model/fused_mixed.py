@@ -19,7 +19,7 @@ import os
 import torch
 
 from tokenmill.model.attention import AttentionMetadata, _prefill_args, _prefill_on
-from tokenmill.model.fused_decode import MAX_TOKENS, FusedDecodeStack
+from tokenmill.model.fused_decode import FusedDecodeStack
 from tokenmill.model.linear import small_row_bits_on
 
 
@@ -51,7 +51,7 @@ class FusedMixedStack:
         t = x.shape[0]
         if not meta.spans or not x.is_contiguous() or t > self.stack.max_tokens or not _prefill_on():
             return False
-        if t > MAX_TOKENS and small_row_bits_on():  # rows that must get the small-row kernels' bits: the modules
+        if t > self.stack.bits_rows and small_row_bits_on():  # rows that must get the small-row kernels' bits: the modules
             return False
         dec = meta.decode_token_idx
         return dec is None or dec.shape[0] + sum(s.q_len for s in meta.spans) == t

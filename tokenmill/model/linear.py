@@ -30,14 +30,15 @@ def small_row_bits_on() -> bool:
 
 @contextmanager
 def small_row_bits(on: bool):
-    """Within the block, PackedWeight calls with more than SMALL_ROWS rows compute every row with the exact bits
-    the small-row kernel gives it (`linear_rows_bf16`, or linear_small over chunks of rows) instead of oneDNN.
+    """Within the block, PackedWeight calls with more than `small_limit` rows (SMALL_ROWS; AMX: amx_rows()) compute
+    every row with the exact bits the small-row kernel gives it (AMX, `linear_rows_bf16`, or linear_small over
+    chunks of rows) instead of oneDNN.
 
     Why: each kernel is row-invariant on its own (linear_small's per-row sum does not depend on the row count;
     oneDNN's rows are the same bits for any count above SMALL_ROWS: tests/model/test_batch_invariant.py checks
     both), but the two differ in the last bits, which in bf16 flips near-tie argmaxes. A speculative verify step
     has more rows than the step it stands for (n decodes + their drafts): the runner turns this on when the step
-    *without* drafts would have had at most SMALL_ROWS rows, so every row gets the bits it would get in that
+    *without* drafts would have had at most `small_row_limit(model)` rows, so every row gets the bits it would get in that
     step and greedy speculation is token for token the output without it."""
     if not on:
         yield
@@ -116,10 +117,13 @@ class PackedWeight:
         self.rows_bf16 = getattr(k, "linear_rows_bf16", None) if self.small is not None else None
         # AMX CPUs: bf16 small-row calls run on AMX tiles (csrc/amx_linear.cpp), 1-16 rows at ~1-row cost, from a
         # third copy of the weight in the tiles' pair layout; every small-row path of the model then has AMX bits
+        # (up to `small_limit` rows, `amx_rows()`: faster than oneDNN there, see csrc/amx_linear.cpp)
         self.amx = None
+        self.small_limit = self.SMALL_ROWS  # calls of at most this many rows take the small-row kernel
         if self.small is not None and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and amx_on(k):
             self.amx = k.lm_head_pack_bf16(self.weight)
             self.amx_linear = k.linear_amx_bf16
+            self.small_limit = int(k.amx_rows())
 
     def small_rows(self, y: torch.Tensor, x2: torch.Tensor, bias: torch.Tensor | None) -> None:
         """y = x2 W^T (+ b) with the small-row kernel's bits (AMX, else linear_small: at most SMALL_ROWS rows)."""
@@ -153,7 +157,7 @@ class PackedWeight:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         m = x2.shape[0]
-        if self.small is not None and 0 < m <= self.SMALL_ROWS:
+        if self.small is not None and 0 < m <= self.small_limit:
             y = torch.empty(m, self.weight.shape[0], dtype=x.dtype)
             self.small_rows(y, x2.contiguous(), bias)
         elif self.small is not None and m and _SMALL_BITS[0]:
@@ -161,6 +165,16 @@ class PackedWeight:
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
         return y.view(*lead, y.shape[-1])
+
+
+def small_row_limit(module: nn.Module) -> int:
+    """The most rows for which every Linear in `module` computes with its small-row kernel (so a step of at most
+    this many rows has the small-row bits without `small_row_bits`): AMX's `amx_rows()` where every linear is a
+    bf16 PackedWeight on AMX, else PackedWeight.SMALL_ROWS (the AVX-512/AVX2 and int8 small-row kernels)."""
+    limits = [lin.packed.small_limit if isinstance(getattr(lin, "packed", None), PackedWeight)
+              and lin.packed.small is not None else PackedWeight.SMALL_ROWS
+              for lin in module.modules() if isinstance(lin, Linear)]
+    return min(limits, default=PackedWeight.SMALL_ROWS)
 
 
 class UnquantizedLinearMethod(LinearMethod):

@@ -18,6 +18,14 @@ bool has_amx_bf16() {
 #endif
 }
 
+// The most rows a bf16 linear runs on AMX (PackedWeight.small_limit, decoder_stack's any_linear); above, oneDNN. Measured
+// on the demo's 24 linears in rotation (weights streamed from beyond L2, Sapphire-Rapids-class VM, 2 threads): AMX vs
+// oneDNN 240 vs 662 us at 1 row, 255 vs 647 at 9, 527 vs 766 at 64, 1559 vs 1727 at 256; oneDNN wins on long
+// prefills (1,024 rows of a 256 x 704 weight held in cache: 148 vs 372 us).
+constexpr int64_t AMX_ROWS = 256;
+
+int64_t amx_rows() { return AMX_ROWS; }
+
 // Returns false (nothing written) where AMX does not apply: not compiled in / not granted, K % 32, dtypes.
 bool linear_amx_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
 #ifdef TM_AMX
@@ -37,8 +45,10 @@ bool linear_amx_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
   const int64_t K2 = K / 2;
-  // a thread takes >= 4 tiles (256 columns, linear_small's grain): below that the split costs more than it saves
-  at::parallel_for(0, T, 4, [&](int64_t t0, int64_t t1) {
+  // every thread takes a share of the tiles, however few (grain 1): the weights stream from beyond L2 (a model's
+  // linears do not stay cached between steps), and one thread alone does not reach the memory bandwidth
+  // (measured on 24 demo-shaped linears in rotation: grain 4 left the 256-column ones on one thread, +15%)
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     alignas(64) float buf[16 * tm_amx::VT];
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       const int R = (int)std::min<int64_t>(16, M - m0);
@@ -63,6 +73,7 @@ bool linear_amx_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c
 }
 
 void register_amx_linear(pybind11::module& m) {
+  m.def("amx_rows", &amx_rows, "the most rows a bf16 linear runs on AMX (above: oneDNN)");
   m.def("has_amx_bf16", &has_amx_bf16, "whether the AMX bf16 kernels are compiled in and this process may use AMX");
   m.def("linear_amx_bf16", &linear_amx_bf16, "bf16 y = x W^T (+ b) on AMX tiles, any rows, W packed by "
         "lm_head_pack_bf16; False (nothing written) where it does not apply", pybind11::arg("out"),

@@ -1450,19 +1450,22 @@ static torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& 
   return st[0].toTensor();
 }
 
-bool linear_amx_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);  // csrc/amx_linear.cpp
+// csrc/amx_linear.cpp
+bool linear_amx_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+int64_t amx_rows();
 
 // the Linear modules' kernel choice per row count; shared by both fused stacks (mixed_stack.cpp declares it)
 torch::Tensor any_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w, int64_t base, int64_t kind,
                          int64_t n_out) {
   const int64_t T = x.size(0);
   const auto& bias = w[base + 3];
+  if (kind == 0 && w[base + 1].numel() > 0 && T <= amx_rows()) {  // bf16 on AMX where PackedWeight packed it (slot 1)
+    auto out = at::empty({T, n_out}, x.options());
+    if (linear_amx_bf16(out, x, w[base + 1], opt(bias))) return out;
+  }
   if (T <= 8) {
     auto out = at::empty({T, n_out}, x.options());
-    if (kind == 0) {  // bf16 on AMX where PackedWeight packed it (slot 1), else the AVX-512/AVX2 kernel
-      if (w[base + 1].numel() == 0 || !linear_amx_bf16(out, x, w[base + 1], opt(bias)))
-        linear_small(out, x, w[base], opt(bias));
-    }
+    if (kind == 0) linear_small(out, x, w[base], opt(bias));
     else if (kind == 1) linear_small_vnni(out, x, w[base], w[base + 1], w[base + 2], opt(bias));
     else if (kind == 3) {
       if (!avx2_int8_gemv(out, x, w[base], w[base + 2], opt(bias)))
