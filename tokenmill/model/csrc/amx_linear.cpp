@@ -47,8 +47,10 @@ bool linear_amx_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c
   const int64_t K2 = K / 2;
   // every thread takes a share of the tiles, however few (grain 1): the weights stream from beyond L2 (a model's
   // linears do not stay cached between steps), and one thread alone does not reach the memory bandwidth
-  // (measured on 24 demo-shaped linears in rotation: grain 4 left the 256-column ones on one thread, +15%)
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+  // (measured on 24 demo-shaped linears in rotation: grain 4 left the 256-column ones on one thread, +15%). Below
+  // 64 KiB of weight (a draft model's linears) the call runs on this thread: waking the pool costs more (~1.5 us)
+  const int64_t grain = N * K * 2 <= (64 << 10) ? T : 1;
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
     alignas(64) float buf[16 * tm_amx::VT];
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       const int R = (int)std::min<int64_t>(16, M - m0);
