@@ -429,11 +429,12 @@ def _one_stream(rng, n: int, in_s: float, out_s: float, pause_s: float):
     t, steps, recs = 100.0, [], []
     for k in range(n):
         sent = t
-        t += in_s
+        path_in = in_s[k] if isinstance(in_s, (list, tuple)) else in_s
+        t += path_in
         dur = float(rng.uniform(0.008, 0.02))
         steps.append(dict(t0=t, t1=t + dur, tokens=128, prefill_tokens=128, decode_seqs=0, attn_pairs=8256.0,
                           decode_ctx=0, prefill_ctx=0, logits=1, new_requests=1))
-        ttft = in_s + dur + out_s
+        ttft = path_in + dur + out_s
         t += dur + pause_s
         for _ in range(5):
             steps.append(dict(t0=t, t1=t + 0.002, tokens=1, prefill_tokens=0, decode_seqs=1, attn_pairs=130.0,
@@ -454,6 +455,18 @@ def test_first_token_path_is_measured_from_the_trace_whatever_the_step_model_say
     assert first_token_path_s(steps, recs[:-1]) is None  # not paired
     two = [dict(s, decode_seqs=1, tokens=129) if s["new_requests"] else s for s in steps]  # not one stream
     assert first_token_path_s(two, recs) is None
+
+
+def test_first_token_path_is_the_mean_of_a_path_that_falls_in_two_groups():
+    """As measured on the AMX machine (session 18): per request ~0.9 or ~2.6 ms outside the steps, 5 of 12 in the
+    slow group. The sim charges one constant per request, and TTFT means add it up: the mean (1.6 ms here); the
+    median (0.9 ms) flips to the other group with one request more or less in it."""
+    from tokenmill.sim.calibrate import first_token_path_s
+
+    ins = [0.9e-3] * 7 + [2.6e-3] * 5
+    order = list(np.random.default_rng(2).permutation(12))
+    steps, recs = _one_stream(np.random.default_rng(6), 12, in_s=[ins[i] for i in order], out_s=0.0, pause_s=0.0)
+    assert first_token_path_s(steps, recs) == pytest.approx(float(np.mean(ins)), abs=1e-9)
 
 
 # -- wide steps (session 18, AMX): more rows than the small-row kernels take, and the first one of a row count ------
