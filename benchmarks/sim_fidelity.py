@@ -229,6 +229,19 @@ def main() -> None:
         explain(args, rates, out)
 
 
+def sim_steps(model, shapes) -> list[float]:
+    """The profile's time for each step of a real run, in order: step_s, plus new_shape_s on the first wide step of
+    each row count (what the simulated worker charges: sim/worker.py)."""
+    seen, out = set(), []
+    for x in shapes:
+        t = model.step_s(x)
+        if model.wide_rows is not None and x.tokens > model.wide_rows and x.tokens not in seen:
+            seen.add(x.tokens)
+            t += model.new_shape_s(x)
+        out.append(t)
+    return out
+
+
 def explain(args, rates: list[float], out: Path) -> None:
     """Per level and real run: the engine core's steps (TOKENMILL_STEP_TRACE) against the profile's model of
     the same step shapes, and the CPU the server and the bench client used."""
@@ -254,18 +267,19 @@ def explain(args, rates: list[float], out: Path) -> None:
             shapes = [StepShape(s["tokens"], s["prefill_tokens"], s["decode_seqs"], s["attn_pairs"], s["decode_ctx"],
                                 s["prefill_ctx"], s["logits"], s.get("new_requests", 0)) for s in steps]
             after = [b["t0"] - a["t1"] for a, b in zip(steps, steps[1:])] + [0.0]  # the pause after each step
+            sims = sim_steps(model, shapes)
             for kind in STEP_KINDS:
                 ix = [i for i, x in enumerate(shapes) if step_kind(x.prefill_tokens, x.decode_seqs) == kind]
                 ratio = sorted((steps[i]["t1"] - steps[i]["t0"] + (after[i] if after[i] < 0.05 else 0.0))
-                               / model.step_s(shapes[i]) for i in ix)  # per step: (real + gap) / sim
+                               / sims[i] for i in ix)  # per step: (real + gap) / sim
                 q = (lambda f: ratio[min(len(ratio) - 1, int(f * len(ratio)))] if ratio else 0.0)
                 per_kind.append((tag, kind, len(ix), sum(steps[i]["t1"] - steps[i]["t0"] for i in ix),
                                  sum(after[i] for i in ix if after[i] < 0.05),
                                  sum(model.engine_step_s(shapes[i]) for i in ix),
-                                 sum(model.step_s(shapes[i]) for i in ix),
+                                 sum(sims[i] for i in ix),
                                  q(0.1), q(0.5), q(0.9)))
             fit = sum(model.engine_step_s(x) for x in shapes)
-            sim = sum(model.step_s(x) for x in shapes)
+            sim = sum(sims)
             dec = [s["decode_seqs"] for s in steps if s["prefill_tokens"] == 0]
             cpu = json.loads((d / "cpu.json").read_text()) if (d / "cpu.json").exists() else None
             cpu_txt = "-"

@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from tokenmill.sim.calibrate import (cell_medians, fit_decode_table, fit_serving, fit_serving_kinds,
-                                     one_stream_request_s, serving_excess)
+                                     mark_new_shapes, one_stream_request_s, serving_excess)
 from tokenmill.sim.cost_model import FEATURES, Calibrated, StepShape, nnls
 
 
@@ -59,9 +59,10 @@ def main() -> None:
 
 def refit_serving(prof: dict, coef, rel, sv: dict, serving: str, out: str) -> None:
     fit = Calibrated(prof["coef"], {})
-    steps = [json.loads(line) for line in open(sv["dir"] + "/steps.jsonl")]
-    runs = [dict(r, **serving_excess([d for d in steps if r["t0"] <= d["t0"] <= r["t1"]], fit.engine_step_s))
-            for r in sv["runs"]]
+    steps = mark_new_shapes([json.loads(line) for line in open(sv["dir"] + "/steps.jsonl")])
+    wide_rows = (prof.get("engine") or {}).get("small_rows")  # wide steps (cost_model.KIND_TERMS: wide_scale)
+    runs = [dict(r, **serving_excess([d for d in steps if r["t0"] <= d["t0"] <= r["t1"]], fit.engine_step_s,
+                                     wide_rows)) for r in sv["runs"]]
     open_runs = [r for r in runs if "rate" in r]  # open-loop runs (session 14): terms per step kind
     terms = {"kinds": fit_serving_kinds(open_runs)} if open_runs else fit_serving(runs)
     if open_runs and "--decode-table" in sys.argv and (table := fit_decode_table(open_runs)) is not None:
@@ -72,6 +73,8 @@ def refit_serving(prof: dict, coef, rel, sv: dict, serving: str, out: str) -> No
     for r in runs:
         r.pop("rows")
         r.pop("kind_rows")
+    if wide_rows is not None:
+        terms["wide_rows"] = int(wide_rows)
     prof["serving"] = {**terms, "request_s": request_s, "other_cpu_share": sv["other_cpu_share"], "runs": runs,
                        "dir": sv["dir"], "refit": f"{serving} serving runs against the refit engine"}
     if pooled:

@@ -113,9 +113,12 @@ def test_decode_run_times_in_one_pass_equal_step_by_step():
         "decode": {"step_s": 4e-4, "scale": 0.15, "per_seq_s": 2e-5, "per_request_s": 0.0},
         "mixed": {"step_s": 1e-3, "scale": 0.3, "per_seq_s": 0.0, "per_request_s": 1e-3},
         "prefill": {"step_s": 0.0, "scale": 0.4, "per_seq_s": 0.0, "per_request_s": 2e-3}}}})
+    wide = Calibrated([0.002, 2e-5, 1e-4, 1e-8, 1e-7, 1e-4, 3e-4], {"serving": {"wide_rows": 150, "kinds": {
+        "decode": {"step_s": 4e-4, "scale": 0.15, "per_seq_s": 2e-5, "wide_scale": 0.5, "new_shape_s": 8e-3},
+        "mixed": {"scale": 0.3}, "prefill": {"scale": 0.4}}}})  # decode runs of > 150 sequences: wide terms
     models = [Roofline(MODELS["llama-3.1-8b"], HW["h100"]), Roofline(MODELS["deepseek-v3"], HW["h200"]),
               Roofline(MODELS["llama-3.1-405b"], HW["b300"], replace(Roofline(MODELS["llama-3.1-8b"], HW["h100"]).p,
-                                                                     tp=4, dtype="fp8")), cal, kinds]
+                                                                     tp=4, dtype="fp8")), cal, kinds, wide]
     for cost in models:
         for _ in range(40):
             d = int(rng.integers(1, 300))

@@ -137,7 +137,8 @@ def calibrate(model: str, grid: Grid = Grid(), engine_kwargs: dict | None = None
         "engine": {"kv_cache_bytes": c.kv_cache_bytes, "block_size": c.block_size,
                    "max_num_batched_tokens": c.max_num_batched_tokens, "max_num_seqs": c.max_num_seqs,
                    "dtype": str(engine.dtype).replace("torch.", ""), "kv_bytes_per_value": kv_bytes_per_value,
-                   "num_threads": c.num_threads, "max_model_len": engine.max_model_len},
+                   "num_threads": c.num_threads, "max_model_len": engine.max_model_len,
+                   "small_rows": int(engine.runner.small_rows)},
         "grid": {"contexts": list(grid.contexts), "decodes": list(grid.decodes), "prefills": list(grid.prefills),
                  "repeats": grid.repeats},
         "fit": {"samples": len(rec.samples), "cells": len(y), "median_abs_rel_error": float(np.median(rel)),
@@ -183,12 +184,25 @@ def _shape(d: dict) -> StepShape:
                      d["prefill_ctx"], d["logits"], d.get("new_requests", 0))
 
 
-def serving_excess(steps: list[dict], engine_step_s) -> dict:
+def mark_new_shapes(steps: list[dict]) -> list[dict]:
+    """Marks (`new_shape`: True) each step of a server's whole step trace, in order from its start, whose row count
+    (tokens) no earlier step had: where the served engine meets a shape for the first time (serving_excess's
+    new_shape_s regressor counts the wide ones). Returns the steps."""
+    seen = set()
+    for d in steps:
+        d["new_shape"] = d["tokens"] not in seen
+        seen.add(d["tokens"])
+    return steps
+
+
+def serving_excess(steps: list[dict], engine_step_s, wide_rows: int | None = None) -> dict:
     """One serving run's engine-core step trace (TOKENMILL_STEP_TRACE lines, in order) against the in-process
     engine fit: what the served engine lost beyond the fit -- each step's measured time minus the fit of its
     shape, plus the pause before the next step (the core's own loop and the front-end's wake-up; pauses over
     GAP_CAP_S are the engine waiting for work, not counted) -- in total and per step (`rows`: the step's
-    regressors SERVING_TERMS and its excess)."""
+    regressors SERVING_TERMS and its excess). `wide_rows`: a step of more tokens is wide (KIND_TERMS' wide_scale
+    regressor: its fit; 0 for the others and for every step where wide_rows is None) and, where mark_new_shapes
+    marked it, a new one (new_shape_s regressor: 1)."""
     rows, kind_rows = [], []
     by_kind = {k: {"steps": 0, "busy_s": 0.0, "gap_s": 0.0, "engine_fit_s": 0.0} for k in STEP_KINDS}
     for a, b in zip(steps, steps[1:] + [None]):
@@ -198,7 +212,9 @@ def serving_excess(steps: list[dict], engine_step_s) -> dict:
         excess = (a["t1"] - a["t0"]) + gap - fit
         rows.append(([1.0, a["logits"], a.get("new_requests", 0), a["prefill_tokens"]], excess))
         kind = step_kind(a["prefill_tokens"], a["decode_seqs"])
-        kind_rows.append((kind, [1.0, fit, a["logits"], a.get("new_requests", 0)], excess))  # KIND_TERMS' regressors
+        wide = wide_rows is not None and a["tokens"] > wide_rows
+        kind_rows.append((kind, [1.0, fit, a["logits"], a.get("new_requests", 0), fit if wide else 0.0,
+                                 1.0 if wide and a.get("new_shape") else 0.0], excess))  # KIND_TERMS' regressors
         k = by_kind[kind]
         k["steps"] += 1
         k["busy_s"] += a["t1"] - a["t0"]
@@ -225,11 +241,21 @@ def fit_serving(runs: list[dict]) -> dict[str, float]:
     return dict(zip(SERVING_TERMS, (float(v) for v in nnls(x, y))))
 
 
-def fit_serving_kinds(runs: list[dict]) -> dict[str, dict[str, float]]:
+# terms held at 0 in the per-kind fit: a mixed step's streamed tokens (its decodes) move with its engine fit and its
+# wide share; fitted freely, their per-token cost came out 0, 0.03 and 0.62 ms in three calibrations of one machine
+# (session 18; decode-only steps measure a streamed token's serving cost at ~0.03 ms: the decode table's slope), and
+# the 0.62 ms profile put the check's TPOT p90 49% over at 0.85 of capacity
+KIND_FIT_FIXED = {"mixed": ("per_seq_s",)}
+
+
+def fit_serving_kinds(runs: list[dict], fixed: dict = KIND_FIT_FIXED) -> dict[str, dict[str, float]]:
     """The serving terms per step kind (cost_model.STEP_KINDS: decode-only, mixed, prefill-only steps apart), by
     non-negative least squares of each kind's steps' excess (serving_excess kind_rows, all runs) on KIND_TERMS'
     regressors: 1, the step's engine fit (`scale`: a share of the step the served engine loses), streamed
-    tokens and requests started. A kind with no steps in the runs gets zeros (the engine fit alone)."""
+    tokens, requests started and the fit again on wide steps only (`wide_scale`: the further share a step of more
+    rows than the small-row kernels take loses; serving_excess's wide_rows) and 1 on wide steps of a row count new
+    to the server (`new_shape_s`, once per row count: mark_new_shapes). `fixed`: per kind, terms held at 0
+    (KIND_FIT_FIXED). A kind with no steps in the runs gets zeros (the engine fit alone)."""
     out = {}
     for kind in STEP_KINDS:
         rows = [(f, e) for run in runs for k, f, e in run["kind_rows"] if k == kind]
@@ -240,7 +266,8 @@ def fit_serving_kinds(runs: list[dict]) -> dict[str, dict[str, float]]:
         y = np.array([e for _, e in rows])
         # a regressor equal to an earlier one on every step cannot be told apart from it (prefill-only steps of
         # one-chunk prompts: 1 request started = 1 token streamed): fitted on the earlier one alone, 0 for it
-        keep = [j for j in range(x.shape[1]) if not any(np.array_equal(x[:, i], x[:, j]) for i in range(j))]
+        keep = [j for j in range(x.shape[1]) if not any(np.array_equal(x[:, i], x[:, j]) for i in range(j))
+                and KIND_TERMS[j] not in fixed.get(kind, ())]
         coef = np.zeros(x.shape[1])
         coef[keep] = nnls(x[:, keep], y)
         out[kind] = dict(zip(KIND_TERMS, (float(v) for v in coef)))
@@ -304,6 +331,7 @@ def fit_decode_table(runs: list[dict], min_steps: int = DECODE_TABLE_MIN_STEPS) 
 # as served traffic) but not the fidelity check's: other lengths, turns and seed; each run its own seed (one seed
 # for all made the later runs replays of the first, 98% prefix-cache hits: almost no prefill, session 16).
 SERVING_ONE_STREAM = (1, 128, 64)  # (streams, prompt, output)
+SERVING_ONE_STREAM_REQUESTS = 48  # 12 before session 18: too few for the mean of a two-group path (first_token_path_s)
 SERVING_WORKLOAD = "chat:prompt=192,output=96,spread=0.8,turns_min=1,turns_max=4"
 SERVING_LOAD_FRACTIONS = (0.3, 0.65, 1.0)  # of the probe's capacity: the top reaches the check's batch sizes
 SERVING_REQUESTS = (100, 150, 240)  # per open-loop run
@@ -341,7 +369,10 @@ def first_token_path_s(steps: list[dict], records: list[dict]) -> float | None:
     """The per-request time outside the engine's steps (request arrival -> engine, first token -> client), from
     a closed loop of ONE stream (each request finds the engine idle): per request, its TTFT minus the step that
     scheduled it (the requests enter the engine in the order they were sent: the k-th `new_requests` of the step
-    trace) and the pause after that step (the sim charges that pause inside its step time); the median. None
+    trace) and the pause after that step (the sim charges that pause inside its step time); the mean (session 18:
+    on the AMX machine the per-request values fall in two groups, ~0.8-1.0 and ~2.4-2.9 ms, in changing shares: the
+    median of 12 flipped between 0.92 and 2.45 ms over four calibrations, the mean stayed at 1.5-2.2 ms; a latency
+    adds the path up, so the mean is what the sim's constant must match). None
     where the trace and the records do not pair up (a request of several prefill chunks, a missing trace).
     Measured directly: the step model's error on this one step shape does not move it (before session 16:
     TTFT - the model's step, clipped at 0 where the model over-predicted the idle server's prefill)."""
@@ -357,7 +388,7 @@ def first_token_path_s(steps: list[dict], records: list[dict]) -> float | None:
             return None
         pause = steps[i + 1]["t0"] - s["t1"] if i + 1 < len(steps) else 0.0
         vals.append(r["ttft_s"] - (s["t1"] - s["t0"]) - min(max(pause, 0.0), GAP_CAP_S))
-    return float(np.median(vals))
+    return float(np.mean(vals))
 
 
 def one_stream_request_s(one: dict, steps: list[dict], run_dir: Path, coef, serving: dict) -> float:
@@ -436,6 +467,7 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], fractions
     from tokenmill.sim.cost_model import Calibrated
 
     fit = Calibrated(profile["coef"], {})
+    wide_rows = (profile.get("engine") or {}).get("small_rows")  # steps of more rows: oneDNN's GEMM (wide_scale)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     py = sys.executable
     tmp = Path(tempfile.mkdtemp(prefix="tokenmill-calibrate-"))
@@ -469,7 +501,8 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], fractions
 
         c, p, o = SERVING_ONE_STREAM
         plan = [(f"c{c}-p{p}-o{o}", ["--workload", f"batch:prompt={p},output={o},spread=0", "--concurrency", str(c),
-                                      "--num-requests", "12"], {"concurrency": c, "prompt": p, "output": o}), None]
+                                      "--num-requests", str(SERVING_ONE_STREAM_REQUESTS)],
+                 {"concurrency": c, "prompt": p, "output": o}), None]
         for item in plan:
             if item is None:  # after the one-stream run: the capacity, then the open loops at its fractions
                 if capacity is None:
@@ -512,8 +545,9 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], fractions
                 server.kill()
         logf.close()
     steps = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()] if trace.exists() else []
+    mark_new_shapes(steps)  # over the server's whole trace, from its start
     for r in results:
-        r.update(serving_excess([d for d in steps if r["t0"] <= d["t0"] <= r["t1"]], fit.engine_step_s))
+        r.update(serving_excess([d for d in steps if r["t0"] <= d["t0"] <= r["t1"]], fit.engine_step_s, wide_rows))
     if not any(r["steps"] for r in results):
         raise CLIError(f"calibrate: the server wrote no step trace ({trace})")
     open_runs = [r for r in results if "rate" in r]
@@ -531,6 +565,7 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], fractions
     if other > 0.1:
         log(f"  warning: other processes used {other:.2f} cores of this machine during the serving runs; the "
             "serving overhead includes their interference (calibrate on a quiet machine)")
-    return {"kinds": kinds, "request_s": float(request_s), "other_cpu_share": other, "pooled": pooled,
+    return {"kinds": kinds, **({"wide_rows": int(wide_rows)} if wide_rows is not None else {}),
+            "request_s": float(request_s), "other_cpu_share": other, "pooled": pooled,
             "decode_linear": linear_decode, "capacity": probe,
             "runs": results, "dir": str(tmp)}

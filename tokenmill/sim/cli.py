@@ -139,7 +139,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
             for k, t in sv["kinds"].items():
                 print(f"serving overhead, {k} steps: {1000 * t['step_s']:.2f} ms per step + engine fit x "
                       f"{t['scale']:.3f} + {1000 * t['per_seq_s']:.3f} ms per streamed token + "
-                      f"{1000 * t['per_request_s']:.2f} ms per request")
+                      f"{1000 * t['per_request_s']:.2f} ms per request"
+                      + (f"; over {sv['wide_rows']} rows: + engine fit x {t['wide_scale']:.3f}, "
+                         f"+ {1000 * t['new_shape_s']:.2f} ms the first time" if "wide_rows" in sv else ""))
                 if "table" in t:
                     print(f"  + decode table (batch size: ms): " + ", ".join(
                         f"{d:.1f}: {1000 * e:.2f}" for d, e in t["table"]) + f"; beyond: +{1000 * t['table_slope_s']:.3f}"

@@ -25,8 +25,9 @@ token and per request, and the per-request delay before a request reaches the en
 or, where the profile has `serving.kinds` (calibrated from open-loop runs, session 14), per step kind --
 decode-only, mixed (decodes beside prefill tokens) and prefill-only steps apart (STEP_KINDS, step_kind):
 
-    step_s = engine fit x (1 + kinds[k].scale) + kinds[k].step_s + kinds[k].per_seq_s x logits
-             + kinds[k].per_request_s x new_requests
+    step_s = engine fit x (1 + kinds[k].scale + kinds[k].wide_scale x [tokens > serving.wide_rows])
+             + kinds[k].step_s + kinds[k].per_seq_s x logits + kinds[k].per_request_s x new_requests
+             (+ kinds[k].new_shape_s where the worker runs a wide step of this row count for the first time)
              (+ decode-only steps, where kinds.decode has a `table` (session 15): table_excess(decode seqs))
 
 On a CPU the serving overhead is mostly CPU time: the engine's torch threads use every core, so each
@@ -53,7 +54,15 @@ PROFILE_KIND = "tokenmill-sim-calibration"
 # serving terms per step kind (serving.kinds): the decode-only, mixed and prefill-only steps of a served engine
 # lose different shares of their time to the serving side (docs/benchmarks/sim.md, sessions 13-14)
 STEP_KINDS = ("decode", "mixed", "prefill")
-KIND_TERMS = ("step_s", "scale", "per_seq_s", "per_request_s")
+KIND_TERMS = ("step_s", "scale", "per_seq_s", "per_request_s", "wide_scale", "new_shape_s")
+# wide_scale (session 18): a further share of the engine fit that a served step with more than serving.wide_rows rows
+# (the engine's small-row limit, runner.small_rows: AMX's amx_rows() = 256 on an AMX CPU) loses. Up to that many
+# rows every linear runs the small-row kernel; beyond it oneDNN's GEMM on every thread, which loses more to the
+# front-end and the client on the same cores (docs/benchmarks/sim.md, "Fidelity on an Intel AMX machine": served
+# prefill steps of 257-512 rows took 1.7x the in-process fit, those of 129-256 rows 1.15x). new_shape_s (session 18):
+# the first wide step of a row count a worker has not run before pays this once more (oneDNN creates its GEMM
+# primitives per row count: ~8.5 ms on the AMX machine, every time a fresh server meets a new prefill size; a row
+# count it has run before: ~1 ms). The simulated worker keeps the row counts it has run (worker.py: new_shape_s).
 # decode-only steps (session 15): the serving excess as a table over the decode batch size instead of the linear
 # split above, whose per-step / per-token shares moved between calibrations (they are near-collinear on decode
 # steps): serving.kinds.decode.table = [[decode seqs, excess s], ...] (knots, increasing), linear between them,
@@ -121,6 +130,11 @@ class StepShape:
 class CostModel:
     name = "abstract"
     request_overhead_s = 0.0  # from a request's arrival at the worker to its entering the engine (HTTP, tokenize)
+    wide_rows: int | None = None  # steps of more rows are wide: new_shape_s applies to them (None: to none)
+
+    def new_shape_s(self, shape: StepShape) -> float:
+        """The once-per-worker cost of the first wide step of shape.tokens rows (on top of step_s)."""
+        return 0.0
 
     def step_s(self, shape: StepShape) -> float:
         raise NotImplementedError
@@ -229,6 +243,12 @@ class Calibrated(CostModel):
         self._c = np.asarray(self.coef, dtype=np.float64)
         self._dtab = self._dtable = None
         serving = self.profile.get("serving") or {}
+        wide = serving.get("wide_rows")
+        if wide is not None and (not isinstance(wide, int) or isinstance(wide, bool) or wide < 1):
+            raise CLIError(f"calibration profile: serving.wide_rows must be a positive integer (rows); got {wide!r}")
+        self._wide_rows = self.wide_rows = wide  # steps of more tokens take kinds[k].wide_scale / new_shape_s
+        self._wide = {}  # kind -> coefficients of its wide steps (where its wide_scale is not 0)
+        self._new_shape = dict.fromkeys(STEP_KINDS, 0.0)  # kind -> new_shape_s
         kinds = serving.get("kinds")
         if kinds is None:  # one set of serving terms for every step (profiles before session 14)
             c = [float(c) for c in self.coef]
@@ -250,6 +270,7 @@ class Calibrated(CostModel):
                 raise CLIError(f"calibration profile: serving has both `kinds` and the one-set terms {flat}; "
                                "keep one of the two")
         self._k_decode, self._k_mixed, self._k_prefill = (self._kind[k] for k in STEP_KINDS)
+        self._w_decode, self._w_mixed, self._w_prefill = (self._wide.get(k, self._kind[k]) for k in STEP_KINDS)
         self._c_list = self._k_decode[0]  # decode runs (decode_run_s) are decode-only
         self.request_overhead_s = float(serving.get("request_s", 0.0))
 
@@ -270,10 +291,20 @@ class Calibrated(CostModel):
         v = {k: float(t.get(k, 0.0)) for k in KIND_TERMS}
         if any(x < 0 for x in v.values()):
             raise CLIError(f"calibration profile: serving.kinds.{kind}: terms must be >= 0 ({v})")
-        c = [x * (1.0 + v["scale"]) for x in self.coef]
-        c[0] += v["step_s"]
-        c[5] += v["per_seq_s"]
-        return c, v["per_request_s"]
+        if (v["wide_scale"] or v["new_shape_s"]) and self._wide_rows is None:
+            raise CLIError(f"calibration profile: serving.kinds.{kind}: wide_scale / new_shape_s without "
+                           "serving.wide_rows (the row count above which a step is wide)")
+        self._new_shape[kind] = v["new_shape_s"]
+
+        def terms(share: float) -> list[float]:
+            c = [x * (1.0 + share) for x in self.coef]
+            c[0] += v["step_s"]
+            c[5] += v["per_seq_s"]
+            return c
+
+        if v["wide_scale"]:
+            self._wide[kind] = (terms(v["scale"] + v["wide_scale"]), v["per_request_s"])
+        return terms(v["scale"]), v["per_request_s"]
 
     _TABLE_SIZE = 1025  # decode batch sizes whose table excess is precomputed (the hot path: one list index)
 
@@ -298,14 +329,23 @@ class Calibrated(CostModel):
             return 0.0
         return self._dtab[d] if d < self._TABLE_SIZE else table_excess(*self._dtable, d)
 
+    def new_shape_s(self, s: StepShape) -> float:
+        if self._wide_rows is None or s.tokens <= self._wide_rows:
+            return 0.0
+        return self._new_shape[step_kind(s.prefill_tokens, s.decode_seqs)]
+
     def engine_step_s(self, s: StepShape) -> float:
         """The engine alone (no serving overhead): the in-process fit."""
         return float(self._c @ s.features())
 
     def step_s(self, s: StepShape) -> float:
         # step_kind, inline (the simulator's hot path)
-        c, per_request = (self._k_decode if not s.prefill_tokens
-                          else self._k_mixed if s.decode_seqs else self._k_prefill)
+        if self._wide_rows is not None and s.tokens > self._wide_rows:
+            c, per_request = (self._w_decode if not s.prefill_tokens
+                              else self._w_mixed if s.decode_seqs else self._w_prefill)
+        else:
+            c, per_request = (self._k_decode if not s.prefill_tokens
+                              else self._k_mixed if s.decode_seqs else self._k_prefill)
         t = (c[0] + c[1] * s.prefill_tokens + c[2] * s.decode_seqs + c[3] * s.attn_pairs + c[4] * s.decode_ctx
              + c[5] * s.logits)
         if s.prefill_tokens and s.decode_seqs:  # mixed_decodes (0 in a decode run: decode_run_s)
@@ -319,7 +359,8 @@ class Calibrated(CostModel):
     def decode_run_s(self, shape: StepShape, n: int) -> list[float]:
         if n < 2:
             return []
-        c, d = self._c_list, shape.decode_seqs
+        d = shape.decode_seqs
+        c = self._w_decode[0] if self._wide_rows is not None and d > self._wide_rows else self._c_list
         di = d * np.arange(1, n, dtype=np.int64)
         t = ((c[0] + c[1] * 0 + c[2] * d + c[3] * (shape.attn_pairs + di) + c[4] * (shape.decode_ctx + di))
              + c[5] * shape.logits)

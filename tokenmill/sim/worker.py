@@ -91,6 +91,7 @@ class SimWorker:
         self.busy = False
         self.pending: list[Request] = []  # added during a step: enter the scheduler at its end
         self.run: decode_run.DecodeRun | None = None  # a fast-forwarded run of decode steps in flight
+        self.shapes_run: set[int] = set()  # the wide row counts this worker's engine has run (new_shape_s)
         self.ff = {"runs": 0, "steps": 0, "cut": 0, "block_limited": 0}  # fast-forward counters
         self.steps = 0
         self.busy_s = 0.0
@@ -141,6 +142,10 @@ class SimWorker:
             return
         shape = StepShape.of(sched)
         step_s = self.cost.step_s(shape)
+        wide = self.cost.wide_rows
+        if wide is not None and shape.tokens > wide and shape.tokens not in self.shapes_run:
+            self.shapes_run.add(shape.tokens)  # the engine's first step of this many rows (cost_model: new_shape_s)
+            step_s += self.cost.new_shape_s(shape)
         self.step_budget.observe(*step_composition(sched), step_s)
         self.busy = True
         self.steps += 1
