@@ -35,3 +35,29 @@ def test_linear_repacks_after_loading_and_keeps_its_answer(monkeypatch):
     lin.method.process_weights_after_loading(lin)
     assert lin.packed is None
     torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-4)
+
+
+def test_onednn_row_buckets_give_the_unpadded_answer_and_match_the_fused_stacks_rule():
+    """Calls of more than 256 rows run oneDNN at the row count rounded up to 64 (zero rows appended): the result is
+    the product of the real rows (vs fp64); the C++ fused stacks use the same rule."""
+    from tokenmill.model.cpu_kernels import get_kernels
+    from tokenmill.model.row_buckets import onednn_rows
+
+    pw = PackedWeight.maybe(w := torch.randn(48, 64))
+    if pw is None:
+        pytest.skip("no oneDNN prepacked linears here")
+    seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+    try:
+        torch.ops.mkldnn._linear_pointwise = lambda x, *a: (seen.append(x.shape[0]), real(x, *a))[1]
+        for m in (257, 300, 320, 333):
+            x = torch.randn(m, 64)
+            y = pw(x)
+            assert y.shape == (m, 48)
+            torch.testing.assert_close(y.double(), x.double() @ w.double().t(), rtol=1e-4, atol=1e-4)
+    finally:
+        torch.ops.mkldnn._linear_pointwise = real
+    assert seen == [320, 320, 320, 384]
+    k = get_kernels()
+    if k is not None:
+        assert all(k.onednn_rows(m) == onednn_rows(m) for m in range(1, 3000, 7))

@@ -17,6 +17,7 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.cpu_kernels import get_kernels, kernels_for
+from tokenmill.model.row_buckets import onednn_rows
 
 
 _SMALL_BITS = [False]  # inside `small_row_bits(True)`: calls of any row count get the small-row kernel's bits
@@ -163,7 +164,13 @@ class PackedWeight:
         elif self.small is not None and m and _SMALL_BITS[0]:
             y = self.small_bits(x2.contiguous(), bias)
         else:
-            y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
+            mp = onednn_rows(m)
+            if mp != m:  # a bucketed row count (onednn_rows): zero rows appended, dropped after
+                xp = x2.new_zeros(mp, x2.shape[1])
+                xp[:m] = x2
+                y = torch.ops.mkldnn._linear_pointwise(xp, self.packed, bias, "none", [], "")[:m]
+            else:
+                y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
         return y.view(*lead, y.shape[-1])
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tokenmill.cli import CLIError
+from tokenmill.model.row_buckets import onednn_rows
 from tokenmill.sim.cost_model import FEATURES, KIND_TERMS, PROFILE_KIND, STEP_KINDS, StepShape, nnls, step_kind
 
 
@@ -190,8 +191,9 @@ def mark_new_shapes(steps: list[dict]) -> list[dict]:
     new_shape_s regressor counts the wide ones). Returns the steps."""
     seen = set()
     for d in steps:
-        d["new_shape"] = d["tokens"] not in seen
-        seen.add(d["tokens"])
+        rows = onednn_rows(d["tokens"])  # the row count oneDNN runs (the engine buckets wide calls)
+        d["new_shape"] = rows not in seen
+        seen.add(rows)
     return steps
 
 

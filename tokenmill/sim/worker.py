@@ -29,6 +29,7 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.engine.step_budget import StepBudget, StepBudgetConfig, step_composition
+from tokenmill.model.row_buckets import onednn_rows
 from tokenmill.sim import decode_run
 from tokenmill.sim.clock import EventLoop
 from tokenmill.sim.cost_model import CostModel, StepShape
@@ -143,8 +144,9 @@ class SimWorker:
         shape = StepShape.of(sched)
         step_s = self.cost.step_s(shape)
         wide = self.cost.wide_rows
-        if wide is not None and shape.tokens > wide and shape.tokens not in self.shapes_run:
-            self.shapes_run.add(shape.tokens)  # the engine's first step of this many rows (cost_model: new_shape_s)
+        rows = onednn_rows(shape.tokens)  # oneDNN's row count: the engine buckets wide calls (linear.onednn_rows)
+        if wide is not None and shape.tokens > wide and rows not in self.shapes_run:
+            self.shapes_run.add(rows)  # the engine's first step of this many rows (cost_model: new_shape_s)
             step_s += self.cost.new_shape_s(shape)
         self.step_budget.observe(*step_composition(sched), step_s)
         self.busy = True

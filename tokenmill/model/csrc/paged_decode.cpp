@@ -1435,19 +1435,32 @@ static inline c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
   return t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
+// oneDNN sets up each (weight shape, row count) once, ~1.5-3.5 ms per linear shape on first use (docs/benchmarks.md,
+// session 18), and a server meets a new prefill row count on most large steps: calls of more than 256 rows run at
+// the row count rounded up to a multiple of 64 (zero rows appended, dropped after), ~28 row counts up to 2,048
+// instead of one per size. linear.onednn_rows is the same rule (tests/model/test_linear.py checks they agree).
+int64_t onednn_rows(int64_t m) { return m <= 256 ? m : (m + 63) / 64 * 64; }
+
 // oneDNN's linear with a weight prepacked by torch.ops.mkldnn._reorder_linear_weight (the op PackedWeight calls)
 static torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const int64_t m = x.size(0), mp = onednn_rows(m);
+  torch::Tensor xin = x;
+  if (mp != m) {
+    xin = at::zeros({mp, x.size(1)}, x.options());
+    xin.narrow(0, 0, m).copy_(x);
+  }
   torch::jit::Stack st;
   st.reserve(6);
-  st.emplace_back(x);
+  st.emplace_back(xin);
   st.emplace_back(packed);
   st.emplace_back(bias.numel() > 0 ? c10::IValue(bias) : c10::IValue());
   st.emplace_back(std::string("none"));
   st.emplace_back(c10::List<c10::optional<at::Scalar>>());
   st.emplace_back(std::string(""));
   op.callBoxed(&st);
-  return st[0].toTensor();
+  auto y = st[0].toTensor();
+  return mp != m ? y.narrow(0, 0, m) : y;  // the first m rows of a row-major [mp, N]: contiguous
 }
 
 // csrc/amx_linear.cpp
@@ -1636,6 +1649,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection (CPU, fp32/bf16)");
   m.def("linear_rows_bf16", &linear_rows_bf16, "batch-invariant bf16 y = x W^T (+ b), any rows: each row's bits as "
         "linear_small's (AVX-512 BF16; False where it does not apply)");
+  m.def("onednn_rows", &onednn_rows, "the row count a oneDNN linear of m rows runs at (linear.onednn_rows)");
   m.def("linear_small", &linear_small, "y = x W^T (+ b) for at most 8 rows, W streamed once (CPU, fp32/bf16)");
   m.def("write_kv", &write_kv, "write this step's K/V into their cache slots (CPU, fp32/bf16)");
   m.def("rope_inplace", &rope_inplace, "neox rotary embedding in place (CPU, fp32/bf16)");
