@@ -114,7 +114,7 @@ class FusedDecodeStack:
             return KIND_INT8_FLOAT_ACT, [lin.w8, empty, lin.w_scale, bias] + big, lin.int8_gemm
         if lin.packed is None or lin.packed.small is None:  # the module path runs F.linear / oneDNN here
             return None
-        amx = lin.packed.amx if lin.packed.amx is not None else empty  # any_linear runs <= 8 rows on AMX with it
+        amx = lin.packed.amx if lin.packed.amx is not None else empty  # any_linear runs <= amx_rows() rows on AMX with it
         return KIND_FLOAT, [lin.packed.weight, amx, empty, bias, lin.packed.packed, empty], True
 
     @classmethod

@@ -1,7 +1,7 @@
 // y = x W^T (+ b) in bf16 on AMX for any number of rows, W packed by lm_head_pack_bf16 (csrc/amx_tile.h has the
 // layout, the reason and the bit rules). The small-row path of bf16 linears on AMX CPUs (linear.PackedWeight, the
-// fused decoder stacks' any_linear): decode steps of 1-8 rows and, under linear.small_row_bits, verify steps of any
-// row count, so a decode token gets the same bits alone, in a batch, or beside its speculative tokens.
+// fused decoder stacks' any_linear): steps of up to amx_rows() rows and, under linear.small_row_bits, verify steps of
+// any row count, so a decode token gets the same bits alone, in a batch, or beside its speculative tokens.
 // Epilogue as linear_small's: fp32 sum + bias, rounded to bf16 (nearest even).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

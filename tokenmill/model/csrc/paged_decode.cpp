@@ -1438,7 +1438,7 @@ static inline c10::optional<torch::Tensor> opt(const torch::Tensor& t) {
 // oneDNN sets up each (weight shape, row count) once, ~1.5-3.5 ms per linear shape on first use (docs/benchmarks.md,
 // session 18), and a server meets a new prefill row count on most large steps: calls of more than 256 rows run at
 // the row count rounded up to a multiple of 64 (zero rows appended, dropped after), ~28 row counts up to 2,048
-// instead of one per size. linear.onednn_rows is the same rule (tests/model/test_linear.py checks they agree).
+// instead of one per size. model/row_buckets.py onednn_rows is the same rule (tests/model/test_linear.py checks).
 int64_t onednn_rows(int64_t m) { return m <= 256 ? m : (m + 63) / 64 * 64; }
 
 // oneDNN's linear with a weight prepacked by torch.ops.mkldnn._reorder_linear_weight (the op PackedWeight calls)
@@ -1649,7 +1649,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection (CPU, fp32/bf16)");
   m.def("linear_rows_bf16", &linear_rows_bf16, "batch-invariant bf16 y = x W^T (+ b), any rows: each row's bits as "
         "linear_small's (AVX-512 BF16; False where it does not apply)");
-  m.def("onednn_rows", &onednn_rows, "the row count a oneDNN linear of m rows runs at (linear.onednn_rows)");
+  m.def("onednn_rows", &onednn_rows, "the row count a oneDNN linear of m rows runs at (row_buckets.onednn_rows)");
   m.def("linear_small", &linear_small, "y = x W^T (+ b) for at most 8 rows, W streamed once (CPU, fp32/bf16)");
   m.def("write_kv", &write_kv, "write this step's K/V into their cache slots (CPU, fp32/bf16)");
   m.def("rope_inplace", &rope_inplace, "neox rotary embedding in place (CPU, fp32/bf16)");
