@@ -110,8 +110,9 @@ def main() -> None:
     ap.add_argument("--config", action="append", default=None,
                     help="NAME=PROPOSER:K (repeatable; off is always first); default by workload")
     ap.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--model", default="demo", help="target: a shipped name or an HF directory (default demo)")
     a = ap.parse_args()
-    e0 = LLMEngine(model="demo", kv_cache_bytes="64MiB")
+    e0 = LLMEngine(model=a.model, kv_cache_bytes="64MiB")
     prompts = (heldout_prompts(e0.tokenizer, a.prompts, 128) if a.workload == "heldout"
                else edit_prompts(e0.tokenizer, a.prompts, 160))
     del e0
@@ -124,7 +125,7 @@ def main() -> None:
         name, _, val = s.rpartition("=")
         prop, _, k = val.partition(":")
         configs[name] = dict(speculative_model=prop, num_speculative_tokens=k if k == "auto" else int(k))
-    engines = {n: LLMEngine(model="demo", kv_cache_bytes="256MiB", num_threads=a.num_threads, **kw) for n, kw in configs.items()}
+    engines = {n: LLMEngine(model=a.model, kv_cache_bytes="256MiB", num_threads=a.num_threads, **kw) for n, kw in configs.items()}
     timers = {}
     for n, e in engines.items():  # warm-up, then the timers
         for p in prompts[:2]:

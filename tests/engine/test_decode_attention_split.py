@@ -175,3 +175,59 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernel_on_and_off(model_dir, 
                    torch.tensor([[lp.logprob for lp in r.outputs[0].logprobs] for r in res]))
     assert got[True][0] == got[False][0]
     assert torch.equal(got[True][1], got[False][1])
+
+
+def _verify_rows(g, nh, kvh, hd, runs, bs=16):
+    """Rows as a verify step lays them out: per sequence, R consecutive rows over one block table with contexts
+    c, c + 1, .., c + R - 1 (run (c, R)); a single decode row is (c, 1). -> q, k, v, tables, lens (bf16)"""
+    nblk = [(c + r - 1 + bs - 1) // bs for c, r in runs]
+    nb = sum(nblk) + 2
+    perm = torch.randperm(nb, generator=g)
+    rows, lens, i = [], [], 0
+    for (c, r), n in zip(runs, nblk):
+        t = torch.zeros(max(nblk), dtype=torch.int64)
+        t[:n] = perm[i:i + n]
+        i += n
+        rows += [t] * r
+        lens += list(range(c, c + r))
+    q = torch.randn(len(lens), nh, hd, generator=g).bfloat16()
+    k = torch.randn(nb, kvh, bs, hd, generator=g).bfloat16()
+    v = torch.randn(nb, kvh, bs, hd, generator=g).bfloat16()
+    return q, k, v, torch.stack(rows).contiguous(), torch.tensor(lens)
+
+
+@pytest.mark.skipif(K is None or not hasattr(K, "set_decode_attention_group"), reason="no grouped decode attention")
+@pytest.mark.parametrize("nh,kvh,hd", [(8, 4, 32), (8, 2, 64), (8, 8, 128), (16, 2, 32), (4, 4, 64)])
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_verify_rows_of_one_sequence_are_each_rows_own_bits(nh, kvh, hd, window, threads):
+    """A verify step's rows of one sequence (same block table, consecutive contexts) run as one task per kv head
+    (bf16 query and cache): every row must be the same bits as that row attended alone (what a decode step
+    computes for it, which makes speculative decoding lossless) and the same with grouping off, for odd and even
+    contexts (pass 2's odd tail), runs that cross a block, up to 17 rows, a window, and beside single rows."""
+    g = torch.Generator().manual_seed(nh * 1000 + hd * 10 + window + threads)
+    runs = [(37, 5), (150, 1), (16, 9), (1, 3), (200, 17), (64, 2), (99, 1)]
+    q, k, v, tables, lens = _verify_rows(g, nh, kvh, hd, runs)
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = torch.empty_like(q)
+        K.paged_decode_attention(out, q, k, v, tables, lens, 0.125, window)
+        alone = torch.empty_like(q)
+        for d in range(len(lens)):
+            o = torch.empty_like(q[d:d + 1])
+            K.paged_decode_attention(o, q[d:d + 1].contiguous(), k, v, tables[d:d + 1].contiguous(),
+                                     lens[d:d + 1].contiguous(), 0.125, window)
+            alone[d] = o[0]
+        prev = K.set_decode_attention_group(False)
+        try:
+            ungrouped = torch.empty_like(q)
+            K.paged_decode_attention(ungrouped, q, k, v, tables, lens, 0.125, window)
+        finally:
+            K.set_decode_attention_group(prev)
+    finally:
+        torch.set_num_threads(prev_threads)
+    assert torch.equal(out.view(torch.int16), alone.view(torch.int16))
+    assert torch.equal(out.view(torch.int16), ungrouped.view(torch.int16))
+    dense = _dense(q, k, v, tables, lens, None, window)
+    torch.testing.assert_close(out.float(), dense, rtol=2e-2, atol=2e-2)

@@ -195,12 +195,37 @@ static inline __m512 transpose_sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(x01, x23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// r[e] lane j := r[j] lane e for a 16 x 16 matrix of 32-bit elements (here: 16 tokens' bf16 pairs)
+static inline void transpose16x16_epi32(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + c], 128-bit block k: rows 4i .. 4i+3 at column 4k + c
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  __m512i o[16];
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44), y1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    o[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    o[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    o[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    o[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+  for (int e = 0; e < 16; ++e) r[e] = o[e];
+}
+
 // The reference kernel prefetches K one block (16 tokens) ahead and V as pass 1 reads K; the session-9 kernel
 // (g_attn_v2) does that, pf_ahead tokens ahead, only for a thread's first task: later tasks' K and V were
 // prefetched during the task before (NextK).
 // pass 1, 16 tokens at a time: scores[g * n + i] = (q_g . k_(start+i)) * scale * (int8: the block's K scale).
-// DP: the query is bf16 and so is the cache: pairs of bf16 products summed by vdpbf16ps (exact products, fp32
-// sums); otherwise the query in fp32 (qf) against K converted to fp32.
+// DP: the query is bf16 and so is the cache (hd % 32 == 0, hd <= 128): pairs of bf16 products summed by vdpbf16ps
+// (exact products, fp32 sums), 16 tokens in the lanes; otherwise the query in fp32 (qf) against K converted to fp32.
 template <bool DP, typename T>
 static void scores16(const float* qf, const at::BFloat16* qb, const T* kp, const T* vp, const int64_t* row,
                      const float* ksc,
@@ -209,6 +234,8 @@ static void scores16(const float* qf, const at::BFloat16* qb, const T* kp, const
   const int64_t sh = __builtin_ctzll(bs), mask = bs - 1;  // bs is a power of two (EngineConfig)
   // half of the next task's lines during this pass, the rest during pass 2
   const int64_t per = nk ? (nk->lines_left() / 2 + (n + 15) / 16 - 1) / ((n + 15) / 16) : 0;
+  alignas(64) uint32_t kT[DP ? 64 * 16 : 1];  // DP: hd <= 128
+  (void)kT;
   for (int64_t i0 = 0; i0 < n; i0 += 16) {
     if (per) nk->step(per);
     const int64_t cnt = std::min<int64_t>(16, n - i0);
@@ -233,18 +260,44 @@ static void scores16(const float* qf, const at::BFloat16* qb, const T* kp, const
         __builtin_prefetch(p + off, 0, 2);
     }
     const __m512 sc = _mm512_loadu_ps(bsc);
+    if constexpr (DP) {
+      // tokens in the lanes: the 16 K rows transposed once into pair-major order (kT[e] lane j = token j's bf16
+      // pair e), then each query row's 16 scores are hd / 2 vdpbf16ps against its pair e broadcast, in two chains
+      // (even and odd pairs, each in order) added at the end: a row's bits do not depend on how many rows share
+      // the call (a verify step's rows of one sequence run as one task: the grouped path below)
+      for (int64_t c = 0; c < hd / 32; ++c) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_si512(kt[j] + 32 * c);
+        transpose16x16_epi32(r);
+        for (int e = 0; e < 16; ++e) _mm512_store_si512(kT + (16 * c + e) * 16, r[e]);
+      }
+      const int64_t P = hd / 2;
+      const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qb);
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t m = std::min<int64_t>(4, G - g0);
+        __m512 a0[4], a1[4];
+        for (int r = 0; r < 4; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+        for (int64_t e = 0; e < P; e += 2) {
+          const __m512bh k0 = (__m512bh)_mm512_load_si512(kT + e * 16), k1 = (__m512bh)_mm512_load_si512(kT + (e + 1) * 16);
+          for (int r = 0; r < 4; ++r) {
+            if (r >= m) break;
+            const uint32_t* qr = q32 + (g0 + r) * P;
+            a0[r] = _mm512_dpbf16_ps(a0[r], k0, (__m512bh)_mm512_set1_epi32((int)qr[e]));
+            a1[r] = _mm512_dpbf16_ps(a1[r], k1, (__m512bh)_mm512_set1_epi32((int)qr[e + 1]));
+          }
+        }
+        for (int r = 0; r < m; ++r)
+          _mm512_mask_storeu_ps(scores + (g0 + r) * n + i0, (__mmask16)((1u << cnt) - 1),
+                                _mm512_mul_ps(_mm512_add_ps(a0[r], a1[r]), sc));
+      }
+      continue;
+    }
     for (int64_t g = 0; g < G; ++g) {
       __m512 v[16];
       for (int j = 0; j < 16; ++j) {
         __m512 a = _mm512_setzero_ps();
-        if constexpr (DP) {
-          const at::BFloat16* qg = qb + g * hd;
-          for (int64_t e = 0; e < hd; e += 32)
-            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qg + e), (__m512bh)_mm512_loadu_si512(kt[j] + e));
-        } else {
-          const float* qg = qf + g * hd;
-          for (int64_t e = 0; e < hd; e += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + e), load16(kt[j] + e), a);
-        }
+        const float* qg = qf + g * hd;
+        for (int64_t e = 0; e < hd; e += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + e), load16(kt[j] + e), a);
         v[j] = a;
       }
       const __m512 s = _mm512_mul_ps(transpose_sum16(v), sc);
@@ -329,16 +382,68 @@ static void attend_v_dp(const at::BFloat16* vp, const int64_t* row, int64_t kvh,
 }
 
 // the softmax weights [G][n] fp32 -> bf16 pairs [G][np] (np = ceil(n / 2)), rounded to nearest even
+// one row's n weights -> bf16 at d[0 : n] (the caller zero-pads to the pair count)
+static inline void row_to_bf16(const float* s, int64_t n, uint16_t* d) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = (__mmask16)(n - i >= 16 ? 0xffff : (1u << (n - i)) - 1);
+    const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, s + i));
+    _mm256_mask_storeu_epi16(d + i, m, (__m256i)b);
+  }
+}
+
 static void weights_to_bf16_pairs(const float* scores, int64_t G, int64_t n, std::vector<uint32_t>& pb, int64_t& np) {
   np = (n + 1) / 2;
   pb.assign(G * np, 0u);
-  for (int64_t g = 0; g < G; ++g) {
-    uint16_t* d = reinterpret_cast<uint16_t*>(pb.data() + g * np);
-    const float* s = scores + g * n;
-    for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = (__mmask16)(n - i >= 16 ? 0xffff : (1u << (n - i)) - 1);
-      const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, s + i));
-      _mm256_mask_storeu_epi16(d + i, m, (__m256i)b);
+  for (int64_t g = 0; g < G; ++g) row_to_bf16(scores + g * n, n, reinterpret_cast<uint16_t*>(pb.data() + g * np));
+}
+
+// pass 2 of attend_v_dp for query rows of different lengths over one block table (the rows of one sequence in a
+// verify step: row r sees nr[r] tokens): each V pair is loaded and interleaved once for up to TG rows, and each
+// row's accumulators take exactly the vdpbf16ps sequence attend_v_dp gives that row alone (its own pairs, its own
+// odd tail paired with itself), so the same bits. pb: [TG][np] pairs (np >= every row's pair count); rows with
+// nr = 0 are idle. hd % 32 == 0.
+template <int TG>
+static void attend_v_dp_rows(const at::BFloat16* vp, const int64_t* row, int64_t kvh, int64_t h, int64_t bs,
+                             int64_t hd, const int64_t* nr, const uint32_t* pb, int64_t np, float* acc) {
+  const int64_t sh = __builtin_ctzll(bs), mask = bs - 1;
+  int64_t npr[TG], nmax = 0;
+  for (int g = 0; g < TG; ++g) {
+    npr[g] = (nr[g] + 1) / 2;
+    nmax = std::max(nmax, nr[g]);
+  }
+  const int64_t npmax = (nmax + 1) / 2;
+  for (int64_t e0 = 0; e0 < hd; e0 += 32) {
+    __m512 lo[TG], hi[TG];
+    for (int g = 0; g < TG; ++g) lo[g] = hi[g] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < npmax; ++i) {
+      const int64_t ta = 2 * i, tb = 2 * i + 1 < nmax ? ta + 1 : ta;
+      const at::BFloat16* va = vp + ((row[ta >> sh] * kvh + h) * bs + (ta & mask)) * hd + e0;
+      const at::BFloat16* vb = vp + ((row[tb >> sh] * kvh + h) * bs + (tb & mask)) * hd + e0;
+      const __m512i a = _mm512_loadu_si512(va), b = _mm512_loadu_si512(vb);
+      const __m512bh l = (__m512bh)_mm512_unpacklo_epi16(a, b), u = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int g = 0; g < TG; ++g) {
+        if (i >= npr[g]) continue;
+        const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pb[g * np + i]);
+        if (2 * i + 1 < nr[g]) {
+          lo[g] = _mm512_dpbf16_ps(lo[g], l, p);
+          hi[g] = _mm512_dpbf16_ps(hi[g], u, p);
+        } else {  // this row's odd tail: token ta with itself, as attend_v_dp pairs it
+          lo[g] = _mm512_dpbf16_ps(lo[g], (__m512bh)_mm512_unpacklo_epi16(a, a), p);
+          hi[g] = _mm512_dpbf16_ps(hi[g], (__m512bh)_mm512_unpackhi_epi16(a, a), p);
+        }
+      }
+    }
+    alignas(64) float tl[16], th[16];
+    for (int g = 0; g < TG; ++g) {
+      if (!nr[g]) continue;
+      _mm512_store_ps(tl, lo[g]);
+      _mm512_store_ps(th, hi[g]);
+      float* o = acc + g * hd + e0;
+      for (int k = 0; k < 4; ++k)
+        for (int j = 0; j < 4; ++j) {
+          o[8 * k + j] = tl[4 * k + j];
+          o[8 * k + 4 + j] = th[4 * k + j];
+        }
     }
   }
 }
@@ -394,11 +499,53 @@ static bool attn_env_default() {
 }
 static std::atomic<bool> g_attn_v2{attn_env_default()};
 static std::atomic<int64_t> g_pf_ahead{64};
+static bool attn_group_env_default() {
+  const char* v = std::getenv("TOKENMILL_DECODE_ATTN_GROUP");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+static std::atomic<bool> g_attn_group{attn_group_env_default()};
+bool set_decode_attention_group(bool on) { return g_attn_group.exchange(on); }
 
 bool set_decode_attention(bool on) { return g_attn_v2.exchange(on); }
 int64_t set_decode_attention_prefetch(int64_t tokens) {
   TORCH_CHECK(tokens >= 16 && tokens % 16 == 0, "decode attention prefetch distance: a multiple of 16 tokens");
   return g_pf_ahead.exchange(tokens);
+}
+
+// softmax in place over one query row's n scores; the per-row and the grouped decode paths both call it, so a
+// row's weights are the same bits either way
+static inline void softmax_row(float* sg, int64_t n, bool v2) {
+  (void)v2;
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t i0 = 0;
+#ifdef TM_AVX512
+  if (v2) {  // the same maximum (NaNs skipped as the scalar loop skips them), 16 lanes at a time
+    __m512 mv = _mm512_set1_ps(m);
+    for (; i0 + 16 <= n; i0 += 16) {
+      const __m512 x = _mm512_loadu_ps(sg + i0);
+      mv = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, mv, _CMP_GT_OQ), mv, x);
+    }
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, mv);
+    for (int j = 0; j < 16; ++j) m = lanes[j] > m ? lanes[j] : m;
+  }
+#endif
+  for (int64_t i = i0; i < n; ++i) m = sg[i] > m ? sg[i] : m;
+  float sum = 0.f;
+  int64_t i = 0;
+#ifdef TM_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 ev = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + i), mv));
+    _mm256_storeu_ps(sg + i, ev);
+    sv = _mm256_add_ps(sv, ev);
+  }
+  sum = hsum256(sv);
+#endif
+  for (; i < n; ++i) { sg[i] = std::exp(sg[i] - m); sum += sg[i]; }
+  const float inv = 1.f / sum;
+  for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
 }
 
 template <typename TQ, typename T>
@@ -483,7 +630,7 @@ static void paged_decode_attention_impl(
         fast = true;
 
         if constexpr (std::is_same<TQ, at::BFloat16>::value && std::is_same<T, at::BFloat16>::value) {
-          if (hd % 32 == 0) {
+          if (hd % 32 == 0 && hd <= 128) {
             qb.resize(G * hd);
             for (int64_t g = 0; g < G; ++g)
               std::memcpy(qb.data() + g * hd, qp + d * qs0 + (h * G + g) * qs1, hd * sizeof(at::BFloat16));
@@ -546,40 +693,7 @@ static void paged_decode_attention_impl(
           }
         }
       }
-      // softmax per g
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * n;
-        float m = -std::numeric_limits<float>::infinity();
-        int64_t i0 = 0;
-#ifdef TM_AVX512
-        if (v2) {  // the same maximum (NaNs skipped as the scalar loop skips them), 16 lanes at a time
-          __m512 mv = _mm512_set1_ps(m);
-          for (; i0 + 16 <= n; i0 += 16) {
-            const __m512 x = _mm512_loadu_ps(sg + i0);
-            mv = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, mv, _CMP_GT_OQ), mv, x);
-          }
-          alignas(64) float lanes[16];
-          _mm512_store_ps(lanes, mv);
-          for (int j = 0; j < 16; ++j) m = lanes[j] > m ? lanes[j] : m;
-        }
-#endif
-        for (int64_t i = i0; i < n; ++i) m = sg[i] > m ? sg[i] : m;
-        float sum = 0.f;
-        int64_t i = 0;
-#ifdef TM_AVX2
-        const __m256 mv = _mm256_set1_ps(m);
-        __m256 sv = _mm256_setzero_ps();
-        for (; i + 8 <= n; i += 8) {
-          __m256 ev = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + i), mv));
-          _mm256_storeu_ps(sg + i, ev);
-          sv = _mm256_add_ps(sv, ev);
-        }
-        sum = hsum256(sv);
-#endif
-        for (; i < n; ++i) { sg[i] = std::exp(sg[i] - m); sum += sg[i]; }
-        const float inv = 1.f / sum;
-        for (int64_t j = 0; j < n; ++j) sg[j] *= inv;
-      }
+      for (int64_t g = 0; g < G; ++g) softmax_row(scores.data() + g * n, n, v2);
       // pass 2: acc[g] = sum_t p[g][t] v_t
 #ifdef TM_AVX512
       bool dp = false;
@@ -633,29 +747,111 @@ static void paged_decode_attention_impl(
       }
     }
   };
-  const int64_t ntask = D * kvh;
-  const int64_t nthr = std::min<int64_t>(at::get_num_threads(), ntask);
-  if (!v2 || nthr <= 1) {
-    at::parallel_for(0, ntask, 1, body);
-    return;
+  // run tasks [0, ntask) of fn: with v2 and several threads, split into contiguous ranges of about equal cost
+  // (task_cost(t): tokens read + a fixed cost per task)
+  auto run_tasks = [&](int64_t ntask, auto task_cost, auto fn) {
+    const int64_t nthr = std::min<int64_t>(at::get_num_threads(), ntask);
+    if (!v2 || nthr <= 1) {
+      at::parallel_for(0, ntask, 1, fn);
+      return;
+    }
+    std::vector<int64_t> cost(ntask + 1, 0);
+    for (int64_t t = 0; t < ntask; ++t) cost[t + 1] = cost[t] + task_cost(t);
+    std::vector<int64_t> cut(nthr + 1, ntask);
+    cut[0] = 0;
+    for (int64_t c = 1, t = 0; c < nthr; ++c) {
+      const int64_t goal = cost[ntask] * c / nthr;
+      while (t < ntask && cost[t + 1] <= goal) ++t;
+      cut[c] = std::max(cut[c - 1], t);
+    }
+    at::parallel_for(0, nthr, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c)
+        if (cut[c] < cut[c + 1]) fn(cut[c], cut[c + 1]);
+    });
+  };
+#ifdef TM_AVX512
+  // Grouped rows (bf16 query and cache): consecutive rows that read the same blocks with non-decreasing contexts
+  // (a verify step's k + 1 rows of one sequence) run as one task per kv head, so each K and V vector is loaded
+  // once for all their query heads instead of once per row; every row's scores, softmax, weights and pass-2
+  // accumulation are the per-row path's operations in the same order (scores16 and softmax_row per row,
+  // attend_v_dp_rows), so each row gets the same bits as alone. Off: TOKENMILL_DECODE_ATTN_GROUP=0.
+  if constexpr (std::is_same<TQ, at::BFloat16>::value && std::is_same<T, at::BFloat16>::value) {
+    const bool can = g_attn_group.load(std::memory_order_relaxed) && ksc == nullptr && hd % 32 == 0 &&
+                     (bs & (bs - 1)) == 0 && hd <= 128 &&
+                     (G == 1 || G == 2 || G == 4 || G == 8);  // attend_v_dp's row counts (others: attend_v16)
+    std::vector<int64_t> gs;  // group starts, then D
+    bool any = false;
+    if (can && D > 1) {
+      const int64_t rmax = std::max<int64_t>(1, 32 / G);  // at most 32 query rows per task
+      for (int64_t d = 0; d < D;) {
+        int64_t r = 1;
+        while (d + r < D && r < rmax && lens[d + r] >= lens[d + r - 1] && (window <= 0 || lens[d + r] <= window) &&
+               (window <= 0 || lens[d] <= window) &&
+               std::memcmp(bt + (d + r) * MB, bt + (d + r - 1) * MB,
+                           sizeof(int64_t) * std::min<int64_t>(MB, (lens[d + r - 1] + bs - 1) / bs)) == 0)
+          ++r;
+        gs.push_back(d);
+        any = any || r > 1;
+        d += r;
+      }
+      gs.push_back(D);
+    }
+    if (any) {
+      const int64_t ng = (int64_t)gs.size() - 1;
+      auto gbody = [&](int64_t begin, int64_t end) {
+        std::vector<float> scores, acc;
+        std::vector<at::BFloat16> qb;
+        std::vector<uint32_t> pb;
+        for (int64_t gt = begin; gt < end; ++gt) {
+          const int64_t gi = gt / kvh, h = gt % kvh, d0 = gs[gi], R = gs[gi + 1] - d0;
+          if (R == 1) {
+            body(d0 * kvh + h, d0 * kvh + h + 1);
+            continue;
+          }
+          const int64_t RG = R * G, n = lens[d0 + R - 1];  // the last row reads the most tokens
+          const int64_t* row = bt + (d0 + R - 1) * MB;
+          qb.resize(RG * hd);
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t g = 0; g < G; ++g)
+              std::memcpy(qb.data() + (r * G + g) * hd, qp + (d0 + r) * qs0 + (h * G + g) * qs1,
+                          hd * sizeof(at::BFloat16));
+          scores.resize(RG * n);
+          scores16<true, T>(nullptr, qb.data(), kp, vp, row, nullptr, kvh, h, bs, hd, 0, n, RG, fscale,
+                            scores.data(), n, pf_ahead, nullptr, true);
+          const int64_t np = (n + 1) / 2;
+          pb.assign(RG * np, 0u);
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t g = 0; g < G; ++g) {
+              float* sg = scores.data() + (r * G + g) * n;
+              softmax_row(sg, lens[d0 + r], v2);
+              row_to_bf16(sg, lens[d0 + r], reinterpret_cast<uint16_t*>(pb.data() + (r * G + g) * np));
+            }
+          acc.resize(RG * hd);
+          for (int64_t j0 = 0; j0 < RG; j0 += 8) {  // 8 query rows per pass over V
+            int64_t nr[8];
+            for (int j = 0; j < 8; ++j) nr[j] = j0 + j < RG ? lens[d0 + (j0 + j) / G] : 0;
+            attend_v_dp_rows<8>(vp, row, kvh, h, bs, hd, nr, pb.data() + j0 * np, np, acc.data() + j0 * hd);
+          }
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t g = 0; g < G; ++g) {
+              at::BFloat16* o = op + (d0 + r) * os0 + (h * G + g) * os1;
+              const float* a = acc.data() + (r * G + g) * hd;
+              for (int64_t e = 0; e < hd; ++e) o[e] = from_f<at::BFloat16>(a[e]);
+            }
+        }
+      };
+      run_tasks(ng * kvh, [&](int64_t t) {
+        const int64_t gi = t / kvh, R = gs[gi + 1] - gs[gi];
+        return lens[gs[gi + 1] - 1] * (R + 3) / 4 + 32;
+      }, gbody);
+      return;
+    }
   }
-  // split the tasks into nthr contiguous ranges of about equal work (tokens read + a fixed cost per task)
-  std::vector<int64_t> cost(ntask + 1, 0);
-  for (int64_t t = 0; t < ntask; ++t) {
+#endif
+  run_tasks(D * kvh, [&](int64_t t) {
     const int64_t c = lens[t / kvh];
-    cost[t + 1] = cost[t] + std::min<int64_t>(c, window > 0 ? window : c) + 32;
-  }
-  std::vector<int64_t> cut(nthr + 1, ntask);
-  cut[0] = 0;
-  for (int64_t c = 1, t = 0; c < nthr; ++c) {
-    const int64_t goal = cost[ntask] * c / nthr;
-    while (t < ntask && cost[t + 1] <= goal) ++t;
-    cut[c] = std::max(cut[c - 1], t);
-  }
-  at::parallel_for(0, nthr, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c)
-      if (cut[c] < cut[c + 1]) body(cut[c], cut[c + 1]);
-  });
+    return std::min<int64_t>(c, window > 0 ? window : c) + 32;
+  }, body);
 }
 
 void paged_decode_attention(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -1642,6 +1838,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_scales") = py::none());
   m.def("set_decode_attention", &set_decode_attention, "turn the session-9 decode attention (balanced split, "
         "prefetch ahead, shared K conversion; same bits) on/off; returns the previous setting");
+  m.def("set_decode_attention_group", &set_decode_attention_group, "decode attention: rows that read the same "
+        "blocks (a verify step's rows of one sequence) as one task per kv head (bf16; the same bits); returns the old "
+        "setting");
   m.def("set_decode_attention_prefetch", &set_decode_attention_prefetch, "the session-9 decode attention's K "
         "prefetch distance in tokens (a multiple of 16; default 64); returns the previous value (for benchmarks)");
   m.def("write_kv_int8", &write_kv_int8, "quantize this step's K/V into an int8 cache (per-(block, head) scales)");
