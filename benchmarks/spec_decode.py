@@ -157,7 +157,8 @@ def bench_interleaved(title: str, configs: dict[str, dict], prompts: list[list[i
             caps = {b: (st.cur, st.num_probes) for b, st in sorted(g.buckets.items())}
             rates = {b: {k: round(a.rate()) for k, a in sorted(st.arms.items())} for b, st in sorted(g.buckets.items())}
             print(f"\n{n}: guard (bucket: cap, probes) {caps}, cap switches {g.num_switches}, "
-                  f"measured tok/s per cap {rates}")
+                  f"measured tok/s per cap {rates}, probe cost ms "
+                  f"{ {b: round(1e3 * st.probe_cost, 2) if st.probe_cost is not None else None for b, st in sorted(g.buckets.items())} }")
             if hasattr(g, "matched_rates"):  # the content-matched rates the guard compares (session 14)
                 print(f"{n}: content-matched tok/s per cap "
                       f"{ {b: {k: round(v) for k, v in g.matched_rates(b).items()} for b in sorted(g.buckets)} }")

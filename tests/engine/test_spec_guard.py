@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tokenmill.engine.spec.guard import GoodputGuard, GuardConfig, bucket
+from tokenmill.engine.spec.guard import FIRST_HELD, GoodputGuard, GuardConfig, bucket
 
 
 def _drive(guard: GoodputGuard, n: int, steps: int, rate_of_cap, seed: int = 0, noise: float = 0.05):
@@ -427,9 +427,9 @@ def test_counterfactual_counts_of_a_step_match_a_hand_computation():
     assert 8 / need[4] == pytest.approx(same_step[4] / 3)  # the running cap: its own tokens per sequence-step
     assert 8 / need[0] == pytest.approx(same_step[0] / 3)  # off: one token per sequence-step
     # a rate on the window: tokens per sequence-step x the arm's own sequences per second (after `settle` steps)
-    for _ in range(g.cfg.settle + 2):
+    for _ in range(g.cfg.settle + FIRST_HELD):  # an arm's first samples are held until FIRST_HELD are in
         g.observe(3, 4, 8, 0.010, seqs)
-    for _ in range(g.cfg.settle + 2):
+    for _ in range(g.cfg.settle + FIRST_HELD):
         g.observe(3, 0, 3, 0.006, [(0, 0)] * 3)
     r = g.matched_rates(3)  # the current arm is still off: arm k on the window max(k, 0) = k
     assert r[4] == pytest.approx((8 / need[4]) * 3 / 0.010)
@@ -558,3 +558,27 @@ def test_observe_shadow_table_matches_a_hand_computation():
     g.buckets[bucket(2)].cur = 2  # a speculating bucket measures its own steps: shadow proposals are ignored
     g.observe_shadow(2, [(4, 4)])
     assert sh[4][2] == 1
+
+
+@pytest.mark.parametrize("stall_at", [0, 1, 2, 5])
+def test_a_stall_in_a_probes_first_steps_does_not_keep_the_guard_off(stall_at):
+    # batch 1, n-gram on content that copies: k >= 3 emits 4 tokens per step at 1.15-1.3x an off step's seconds.
+    # One stall of the machine (a GC pass: 50 off-steps) lands in the first probe's steady steps. Session 19
+    # measured the guard staying off for the whole run after it (the probe's arm 10x too slow, the probe's cost
+    # amortised over thousands of steps): an arm's first samples are now held and capped at `outlier` x their
+    # median, a steady step's share of a probe's cost at `outlier` x its arm's mean step
+    g = GoodputGuard(GuardConfig(k_max=6))
+    off_s, stalled, steady = 0.001, False, 0
+    t = tok = 0.0
+    for _ in range(2000):
+        c = g.cap(1, suggest=4)
+        tokens = 1 if c == 0 else min(c, 3) + 1
+        s = off_s * (1 + 0.05 * c)
+        steady = steady + 1 if c and c == g.buckets[1].last_cap else 0
+        if c == 4 and not stalled and steady == g.cfg.settle + stall_at:
+            s, stalled = 50 * off_s, True
+        g.observe(1, c, tokens, s, [(c, tokens - 1)])
+        t, tok = t + s, tok + tokens
+    assert stalled
+    assert g.current(1) > 0, g.rates(1)
+    assert tok / t * off_s > 2.5, (tok / t * off_s, g.rates(1))

@@ -129,16 +129,37 @@ def bucket(n: int) -> int:
 
 
 class _Arm:
-    __slots__ = ("tokens", "seconds", "samples", "nseq")
+    __slots__ = ("tokens", "seconds", "samples", "nseq", "first")
 
     def __init__(self):
         self.tokens = 0.0
         self.seconds = 0.0
         self.samples = 0
         self.nseq = 0.0  # EMA of decoding sequences per step (same weights as seconds)
+        self.first: list[tuple[float, float, int]] = []  # the first observations, held until FIRST_HELD are in
+
+    def mean_step(self, decay: float) -> float:
+        """The EMA's mean seconds per step (0 before any sample)."""
+        if not self.samples:
+            return 0.0
+        return self.seconds * (1 - decay) / (1 - decay ** min(self.samples, 200))
+
+    def add(self, tokens: float, seconds: float, n: int, decay: float) -> None:
+        self.tokens = decay * self.tokens + tokens
+        self.seconds = decay * self.seconds + seconds
+        self.nseq = decay * self.nseq + n
+        self.samples += 1
 
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+# An arm's first observations are held until there are this many, then each enters capped at `outlier` x their
+# median: the outlier cap needs a mean to compare with, and without one a stall of the shared machine in an arm's
+# first steps (a GC pass of a process holding several engines: 45 ms against ~1 ms steps, session 19) made a
+# probe's arm look 10x slower than it was, and the probe so costly that the amortisation waited thousands of steps
+# before probing again: n-gram auto stayed off where fixed k = 4 ran 2.2x faster
+FIRST_HELD = 3
 
 
 class _Bucket:
@@ -161,7 +182,9 @@ class _Bucket:
         self.base = probe_every  # the probe interval after a switch
         self.ladder: tuple[int, ...] = ()  # the caps probed from off, in order, until each is measured
         self.pending: int | None = None  # an arm that won one comparison: switched to if it wins the next
-        self.win: list[float] | None = None  # the open probe window: [seconds, tokens] of every step it touched
+        # the open probe window: [(cap or None for a transition step, seconds) of every step it touched, tokens];
+        # a steady step's seconds enter its cost capped at `outlier` x that cap's mean step (_window)
+        self.win: list | None = None
         self.win_tail = 0  # steps after the probe still counted to it (the transition back)
         self.probe_cost: float | None = None  # EMA of a probe's measured cost, seconds (vs the current arm)
         # content-matched windows: cf[W][K'] = [tokens, sequence-steps K' would have needed, samples], EMAs over
@@ -228,7 +251,7 @@ class GoodputGuard:
                 length = max(self.cfg.probe_len, need)
                 b.probe_arm, b.probe_left = arm, length - 1
                 if b.win is None:
-                    b.win = [0.0, 0.0]
+                    b.win = [[], 0.0]
                 b.win_tail = 0
                 return arm
         return b.cur
@@ -291,19 +314,20 @@ class GoodputGuard:
         (0 while not measured). A pure function of measured state: the probe's cost in seconds over the current
         arm's mean step."""
         cur = b.arms.get(b.cur)
-        if b.probe_cost is None or cur is None or cur.samples < 3 or b.probe_cost <= 0:
+        if b.probe_cost is None or cur is None or cur.samples < FIRST_HELD or b.probe_cost <= 0:
             return 0
-        d = self.cfg.decay
-        step_s = cur.seconds * (1 - d) / (1 - d ** min(cur.samples, 200))
+        step_s = cur.mean_step(self.cfg.decay)
         if not step_s > 0:
             return 0
         return min(self.cfg.max_amortised_every, int(b.probe_cost / (self.cfg.explore_budget * step_s)))
 
-    def _window(self, b: _Bucket, tokens: int, seconds: float) -> None:
+    def _window(self, b: _Bucket, cap: int, tokens: int, seconds: float, settling: bool) -> None:
         """Account a step to the open probe window; closed after the probe's transition back: its cost is its
-        seconds less what the current arm would have taken for the same tokens (negative: the probe gained)."""
+        seconds less what the current arm would have taken for the same tokens (negative: the probe gained). The
+        transitions (`settle` steps after a change of k: a draft's catch-up of every sequence) count in full; a
+        steady step at most `outlier` x its cap's mean step (a stall of the machine is not the probe's cost)."""
         w = b.win
-        w[0] += seconds
+        w[0].append((None if settling else cap, seconds))
         w[1] += tokens
         if b.probe_arm is None:  # the probe ended: these are the tail steps
             if b.win_tail > 0:
@@ -313,7 +337,12 @@ class GoodputGuard:
                 cur = b.arms.get(b.cur)
                 r = cur.rate() if cur is not None else 0.0
                 if r > 0:
-                    cost = w[0] - w[1] / r
+                    spent = 0.0
+                    for k, sec in w[0]:
+                        a = b.arms.get(k) if k is not None else None
+                        mean = a.mean_step(self.cfg.decay) if a is not None and a.samples >= FIRST_HELD else 0.0
+                        spent += min(sec, self.cfg.outlier * mean) if mean > 0 else sec
+                    cost = spent - w[1] / r
                     b.probe_cost = cost if b.probe_cost is None else 0.5 * (b.probe_cost + cost)
                     ladder_open = b.cur == 0 and self._next_rung(b) is not None
                     # a confirming probe is not delayed; a ladder's next rung neither while the rungs' cost is under
@@ -446,30 +475,34 @@ class GoodputGuard:
                 if not 0 <= a <= k <= cap:
                     raise ValueError(f"guard observe: accepted {a} / drafted {k} outside 0 <= a <= k <= cap {cap}")
             self._content(b, cap, seqs)
-        if b.win is not None:
-            self._window(b, tokens, seconds)
         arm = b.arms.get(cap)
         if arm is None:
             arm = b.arms[cap] = _Arm()
         if cap != b.last_cap:
             b.last_cap, b.run = cap, 0
         b.run += 1
-        if b.run <= self.cfg.settle:  # the steps right after a change of k are not that k's steady rate
+        settling = b.run <= self.cfg.settle
+        if b.win is not None:
+            self._window(b, cap, tokens, seconds, settling)
+        if settling:  # the steps right after a change of k are not that k's steady rate
             return
         d = self.cfg.decay
-        if arm.samples >= 3:  # a stall of the shared machine (another process, a GC pause) must not decide
-            mean = arm.seconds * (1 - d) / (1 - d ** min(arm.samples, 200))
-            seconds = min(seconds, self.cfg.outlier * mean)
-        arm.tokens = d * arm.tokens + tokens
-        arm.seconds = d * arm.seconds + seconds
-        arm.nseq = d * arm.nseq + n
-        arm.samples += 1
+        if arm.samples < FIRST_HELD:  # a stall of the shared machine (another process, a GC pause) must not decide
+            arm.first.append((tokens, seconds, n))
+            if len(arm.first) < FIRST_HELD:
+                return
+            med = sorted(sec for _t, sec, _n in arm.first)[FIRST_HELD // 2]
+            for t, sec, m in arm.first:
+                arm.add(t, min(sec, self.cfg.outlier * med), m, d)
+            arm.first = []
+            return
+        arm.add(tokens, min(seconds, self.cfg.outlier * arm.mean_step(d)), n, d)
 
     def off_step_s(self, n: int) -> float | None:
         """Measured mean seconds of a step of n decoding sequences with speculation off (None: not measured)."""
         b = self.buckets.get(bucket(n))
         a = b.arms.get(0) if b is not None else None
-        if a is None or a.samples < 3 or a.tokens <= 0:
+        if a is None or a.samples < FIRST_HELD or a.tokens <= 0:
             return None
         return n * a.seconds / a.tokens  # off emits one token per sequence per step
 
