@@ -67,9 +67,12 @@ def load_train_demo():
 
 
 def test_agreement_bar_in_summary_and_on_the_shipped_weights():
+    # teacher-forced argmax agreement on held-out *source text* (the copying target shipped in session 19 is a
+    # much better model of that text than the 9x smaller draft can be: 0.52, the pair before it 0.67); what
+    # speculative decoding needs, acceptance on the target's own continuations, is the next test
     s = json.loads((DEMO / "training_summary.json").read_text())
     ev = s["heldout_eval"]
-    assert ev["agreement"] >= 0.6, ev
+    assert ev["agreement"] >= 0.5, ev
     assert ev["target"]["loss"] < ev["draft"]["loss"]
     assert s["command"].startswith("python scripts/train_demo.py")
     # re-measure on 16 of the summary's held-out windows: the shipped weights are the ones measured
@@ -80,6 +83,37 @@ def test_agreement_bar_in_summary_and_on_the_shipped_weights():
     got = td.evaluate(hf_model(DEMO), hf_model(DRAFT), held, batch_size=8)
     assert abs(got["agreement"] - ev["agreement"]) < 0.05, (got, ev)
     assert abs(got["target"]["loss"] - ev["target"]["loss"]) < 0.3, (got, ev)
+
+
+def heldout_code_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """benchmarks/spec_decode.py's held-out prompts: a window from a third of the way into each long held-out file."""
+    from tokenmill.model.tokenizer import stdlib_sources
+
+    out = []
+    for f in stdlib_sources(held_out_every=10, split="heldout"):
+        ids = tokenizer.encode(f.read_text(errors="replace"))
+        if len(ids) >= 4 * length:
+            out.append(ids[len(ids) // 3:len(ids) // 3 + length])
+        if len(out) == n:
+            break
+    return out
+
+
+def test_draft_acceptance_on_held_out_code():
+    """Issue 13 item 6: the draft's acceptance in greedy speculative decoding (k = 2) on held-out code, as
+    tokenmill serves the pair (bf16), the measurement of docs/demo_model.md (8 prompts x 128 tokens; 0.708 on
+    the AMX machine of session 19). The bar here leaves room for another CPU's bf16 kernels to flip a few
+    greedy near-ties; every output must equal speculation off."""
+    from tokenmill import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    spec = LLM("demo", speculative_model="demo-draft", num_speculative_tokens=2, kv_cache_bytes="64MiB")
+    prompts = heldout_code_prompts(spec.tokenizer, 8, 128)
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    st = spec.engine.stats().spec
+    assert st.acceptance_rate >= 0.66, st
+    off = LLM("demo", kv_cache_bytes="64MiB")
+    assert got == [o.outputs[0].token_ids for o in off.generate(prompts, params)]
 
 
 def test_greedy_generation_matches_hf_generate():
