@@ -231,3 +231,18 @@ def test_verify_rows_of_one_sequence_are_each_rows_own_bits(nh, kvh, hd, window,
     assert torch.equal(out.view(torch.int16), ungrouped.view(torch.int16))
     dense = _dense(q, k, v, tables, lens, None, window)
     torch.testing.assert_close(out.float(), dense, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(K is None or not hasattr(K, "set_decode_attention_group"), reason="no grouped decode attention")
+def test_group_env_switch_turns_grouping_off_and_rejects_other_values():
+    code = ("from tokenmill.model.cpu_kernels import get_kernels\n"
+            "k = get_kernels()\n"
+            "print('on' if k.set_decode_attention_group(True) else 'off')\n")
+    run = lambda v: subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TOKENMILL_DECODE_ATTN_GROUP=v),
+                                   capture_output=True, text=True, timeout=300)
+    r = run("0")
+    assert r.returncode == 0 and r.stdout.strip() == "off", r.stderr
+    r = run("1")
+    assert r.returncode == 0 and r.stdout.strip() == "on", r.stderr
+    r = run("no")
+    assert r.returncode != 0 and "TOKENMILL_DECODE_ATTN_GROUP must be 0 or 1" in r.stderr

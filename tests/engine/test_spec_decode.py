@@ -312,8 +312,10 @@ def _exact_joint(prompt_ids, top_k):
 @pytest.mark.parametrize("proposer", ["demo-draft", "ngram"])
 def test_sampled_output_matches_target_distribution(proposer):
     """Chi-square at fixed seeds: 3-token continuations sampled with speculation (k=2) against the target's
-    exact joint distribution (top_k=3, temperature 1)."""
-    prompt = "x = [1, 2, 3]\nx = [1, 2, 3]\nx = ["
+    exact joint distribution (top_k=3, temperature 1). The prompt repeats a function the demo target copies from
+    (its first token is the copy ` height` with p ~0.6 of the top 3), so n-gram proposals are drafted after it,
+    accepted and rejected, and not drafted after the other two."""
+    prompt = "def area(width, height):\n    return width * height\n\ndef area(width, height):\n    return width *"
     llm = LLM("demo", kv_cache_bytes="32MiB", dtype="float32", speculative_model=proposer, num_speculative_tokens=2)
     ids = llm.tokenizer.encode(prompt)
     joint = _exact_joint(ids, 3)

@@ -91,6 +91,9 @@ def get_kernels():
     attn = os.environ.get("TOKENMILL_DECODE_ATTN", "1")  # csrc/paged_decode.cpp reads it; 0 = the reference kernel
     if attn not in ("0", "1"):
         raise ValueError(f"TOKENMILL_DECODE_ATTN must be 0 or 1, got {attn!r}")
+    group = os.environ.get("TOKENMILL_DECODE_ATTN_GROUP", "1")  # csrc/paged_decode.cpp: 0 = a verify step's rows alone
+    if group not in ("0", "1"):
+        raise ValueError(f"TOKENMILL_DECODE_ATTN_GROUP must be 0 or 1, got {group!r}")
     _state["mod"] = None
     if os.environ.get("TOKENMILL_CPU_KERNELS", "1") == "0":
         return None
