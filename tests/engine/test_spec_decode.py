@@ -16,6 +16,7 @@ from tokenmill.engine.spec.proposers import NgramProposer
 from tokenmill.engine.spec.verify import verify_greedy, verify_sampled
 from tokenmill.errors import TokenmillError
 from tokenmill.hardware import capabilities
+from tokenmill.testing.prompts import heldout_code_prompts
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -185,20 +186,6 @@ def test_greedy_identical_under_preemption(greedy_reference):
     assert out == greedy_reference
 
 
-def _heldout_code_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    """128-token windows of stdlib files the demo models never trained on (benchmarks/spec_decode.py's)."""
-    from tokenmill.model.tokenizer import stdlib_sources
-
-    out = []
-    for f in stdlib_sources(held_out_every=10, split="heldout"):
-        ids = tokenizer.encode(f.read_text(errors="replace"))
-        if len(ids) >= 4 * length:
-            out.append(ids[len(ids) // 3:len(ids) // 3 + length])
-        if len(out) == n:
-            break
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not capabilities().native_bf16,
                     reason="bf16 runs on native instructions only where the CPU has them")
@@ -210,7 +197,7 @@ def test_greedy_identical_to_spec_off_in_bf16_at_concurrency():
     sp = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     kw = dict(kv_cache_bytes="64MiB", dtype="bfloat16")
     off = LLM("demo", **kw)
-    prompts = _heldout_code_prompts(off.tokenizer, 8, 128)
+    prompts = heldout_code_prompts(off.tokenizer, 8, 128)
     assert len(prompts) == 8
 
     def run(llm, c):
@@ -246,7 +233,7 @@ def test_greedy_verify_from_the_fused_argmax_identical_to_off(proposer):
         return out
 
     llm.engine.runner.execute = spy
-    prompts = _heldout_code_prompts(off.tokenizer, 3, 96)
+    prompts = heldout_code_prompts(off.tokenizer, 3, 96)
     sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     for p in prompts:  # batch 1, as the batch-1 benchmark runs
         assert llm.generate([p], sp)[0].outputs[0].token_ids == off.generate([p], sp)[0].outputs[0].token_ids

@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.model.loader import SHIPPED_MODELS_DIR, resolve_model_path
 from tokenmill.model.tokenizer import SHIPPED_TOKENIZER_DIR
+from tokenmill.testing.prompts import heldout_code_prompts
 
 transformers = pytest.importorskip("transformers")
 
@@ -83,20 +84,6 @@ def test_agreement_bar_in_summary_and_on_the_shipped_weights():
     got = td.evaluate(hf_model(DEMO), hf_model(DRAFT), held, batch_size=8)
     assert abs(got["agreement"] - ev["agreement"]) < 0.05, (got, ev)
     assert abs(got["target"]["loss"] - ev["target"]["loss"]) < 0.3, (got, ev)
-
-
-def heldout_code_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    """benchmarks/spec_decode.py's held-out prompts: a window from a third of the way into each long held-out file."""
-    from tokenmill.model.tokenizer import stdlib_sources
-
-    out = []
-    for f in stdlib_sources(held_out_every=10, split="heldout"):
-        ids = tokenizer.encode(f.read_text(errors="replace"))
-        if len(ids) >= 4 * length:
-            out.append(ids[len(ids) // 3:len(ids) // 3 + length])
-        if len(out) == n:
-            break
-    return out
 
 
 def test_draft_acceptance_on_held_out_code():
