@@ -124,3 +124,27 @@ def test_shared_prefix_zipf_popularity():
     assert skewed.session(7).turns[0].digest() == make_workload(spec + ",zipf=1.2", approximate_vocab(), 0).session(7).turns[0].digest()
     with pytest.raises(Exception, match="zipf"):
         make_workload(spec + ",zipf=-1", approximate_vocab(), 0)
+
+
+def test_code_prompts_are_windows_of_held_out_source_text(vocab):
+    """`code`: each prompt is `prompt` consecutive tokens of one held-out stdlib file, as the target's tokenizer
+    encodes it (so the decoded prompt is a substring of that file), deterministic in the seed, with the requested
+    output length; without a tokenizer it is a clear error, and so is a prompt longer than every file."""
+    from tokenmill.cli import CLIError
+    from tokenmill.model.tokenizer import stdlib_sources
+
+    w = make_workload("code:prompt=64,output=32", vocab, 0)
+    texts = [f.read_text(errors="replace") for f in stdlib_sources(held_out_every=10, split="heldout")]
+    for i in range(6):
+        (turn,) = w.session(i).turns
+        assert turn.prompt_tokens == 64 and turn.max_tokens == 32
+        ids = turn.flat_tokens()
+        # the window's ids come from one held-out file's encoding
+        hits = [t for t in texts if vocab._tokenizer.decode(ids.tolist()) in t]
+        assert hits, vocab._tokenizer.decode(ids.tolist())
+    assert digests(w, 6) == digests(make_workload("code:prompt=64,output=32", vocab, 0), 6)
+    assert digests(w, 6) != digests(make_workload("code:prompt=64,output=32", vocab, 1), 6)
+    with pytest.raises(CLIError, match="needs the target's tokenizer"):
+        make_workload("code", approximate_vocab(), 0)
+    with pytest.raises(CLIError, match="longer than every held-out source file"):
+        make_workload("code:prompt=10000000", vocab, 0).session(0)

@@ -43,7 +43,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload, arrival, load, SLO, sweep and output flags: `tokenmill bench` and `tokenmill sim` share
     them (same names, same meaning), so one line switches a benchmark between a server and the simulator."""
     p.add_argument("--workload", action="append", metavar="SPEC",
-                   help="chat | agent | batch | shared-prefix | trace:FILE | mix:NAME=W,... ; parameters as "
+                   help="chat | agent | batch | code | shared-prefix | trace:FILE | mix:NAME=W,... ; parameters as "
                    "NAME:key=value,... ; repeat as SPEC@WEIGHT for a mix (default: chat)")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, help="open loop: requests/s (with --sweep: the first rate tried)")

@@ -73,6 +73,12 @@ class PromptVocab:
             return "".join(" " + COMMON_WORDS[i] for i in ids.tolist())
         return self._tokenizer.decode(ids.tolist(), skip_special_tokens=False)
 
+    def encode(self, text: str) -> np.ndarray:
+        """`text` as the target's token ids (exact vocabularies only: without a tokenizer there are no token ids)."""
+        if self._tokenizer is None:
+            raise ValueError("PromptVocab.encode needs the target's tokenizer")
+        return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
     def count(self, text: str) -> int:
         """Tokens in `text` (without special tokens); approximate: words."""
         if self._tokenizer is None:

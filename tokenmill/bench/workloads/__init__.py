@@ -1,6 +1,6 @@
-"""Workloads, registered by name: chat, agent, batch, shared-prefix, trace:FILE, mix:NAME=W,..."""
+"""Workloads, registered by name: chat, agent, batch, code, shared-prefix, trace:FILE, mix:NAME=W,..."""
 
-from tokenmill.bench.workloads import agent, batch, chat, mix, shared_prefix, trace  # noqa: F401  (register)
+from tokenmill.bench.workloads import agent, batch, chat, code, mix, shared_prefix, trace  # noqa: F401  (register)
 from tokenmill.bench.workloads.registry import (
     WORKLOADS,
     Workload,
