@@ -32,18 +32,9 @@ from tokenmill.hardware import capabilities  # noqa: E402
 
 
 def heldout_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
-    from tokenmill.model.tokenizer import stdlib_sources
+    from tokenmill.testing.prompts import heldout_code_prompts  # the tests' prompts: one definition
 
-    out = []
-    for f in stdlib_sources(held_out_every=10, split="heldout"):
-        ids = tokenizer.encode(f.read_text(errors="replace"))
-        if len(ids) < 4 * length:
-            continue
-        start = len(ids) // 3
-        out.append(ids[start:start + length])
-        if len(out) == n:
-            break
-    return out
+    return heldout_code_prompts(tokenizer, n, length)
 
 
 # --format of `edit`: (text before the code, the instruction line after it). "reformatted" is the original

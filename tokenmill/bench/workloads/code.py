@@ -13,20 +13,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenmill.bench.session import Message, Session, Turn
-from tokenmill.bench.workloads.registry import Workload, check, length, register_workload
+from tokenmill.bench.workloads.batch import BatchParams
+from tokenmill.bench.workloads.registry import Workload, length, register_workload
 from tokenmill.cli import CLIError
 
 
 @dataclass(frozen=True)
-class CodeParams:
+class CodeParams(BatchParams):  # batch's fields and checks; code completion's defaults
     prompt: int = 512
     output: int = 256
     spread: float = 0.0
-    class_name: str = "batch"
-
-    def __post_init__(self):
-        check(self.prompt >= 1 and self.output >= 1, "prompt and output must be >= 1")
-        check(self.spread >= 0, "spread must be >= 0")
 
 
 @register_workload("code")
