@@ -2,7 +2,8 @@
 idle (1 session) to saturation, speculation off vs each configuration, ratios vs off at each load.
 
     python benchmarks/spec_serve_sweep.py --concurrency 1 4 16 64 --duration 15 \
-        --config off= --config draft-k4=demo-draft:4 --config draft-auto=demo-draft:auto
+        --config off= --config draft-k4=demo-draft:4 --config draft-auto=demo-draft:auto \
+        --config ngram-auto6=ngram:auto:6      # MODEL:K, or MODEL:auto:MAX_K (--speculative-max-k)
     python benchmarks/spec_serve_sweep.py --num-threads 1 --rounds 2 --duration 7 ...   # a shared, loaded box
 
 `--rounds R` repeats each level R times, configurations interleaved within a round; a configuration's ratio
@@ -44,8 +45,10 @@ from tokenmill.hardware import capabilities  # noqa: E402
 def start_server(spec: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "tokenmill", "serve", "--model", "demo", "--port", "0", "--admission", "off", *extra]
     if spec:
-        model, k = spec.split(":")
+        model, k, *max_k = spec.split(":")  # MODEL:K or MODEL:auto:MAX_K
         cmd += ["--speculative-model", model, "--num-speculative-tokens", k]
+        if max_k:
+            cmd += ["--speculative-max-k", max_k[0]]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     for line in p.stdout:  # the first line naming the URL (warnings may come before it)

@@ -117,6 +117,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-ul-edits", action="store_true",
                    help="sequence-UL phase: its MLE updates take --edit-frac edit windows too (without them the "
                         "phase trains on plain text only and the target's greedy copying fades)")
+    p.add_argument("--seq-ul-line-starts", action="store_true",
+                   help="sequence-UL phase: the mid-file half of its prefixes start at a `def`/`class` line of a "
+                        "training window, tokenized as a prompt on its own (what a user's short prompt looks like: "
+                        "`def name(args):`, `    def __init__(self`), instead of at a window's first token")
     p.add_argument("--quick", action="store_true", help="smoke run: a few steps, tiny eval")
     args = p.parse_args(argv)
     if not 0 <= args.copy_frac <= 1 or not 0 <= args.edit_frac <= 1 or args.copy_frac + args.edit_frac > 1:
@@ -349,16 +353,46 @@ def sequence_unlikelihood(model, prefix: torch.Tensor, new_tokens: int,
     return ul, mask[:, p_len - 1 :].float().mean().item()
 
 
-def seq_ul_prefixes(data: "Batches", batch: torch.Tensor, step: int, max_len: int) -> torch.Tensor:
+def seq_ul_prefixes(data: "Batches", batch: torch.Tensor, step: int, max_len: int,
+                    line_starts: torch.Tensor | None = None) -> torch.Tensor:
     """Prefixes for a sequence-level UL step: length 2..max_len (cycling with the step: short prompts loop
-    most), half of them from the batch's windows (mid-file contexts), half the first tokens of training files
-    (what a prompt like `import os` looks like: a file's start), chosen by the step. -> [B, L]"""
+    most), half of them from the batch's windows (mid-file contexts; with line_starts [N, >= max_len], rows of
+    it chosen by the step instead), half the first tokens of training files (what a prompt like `import os`
+    looks like: a file's start), chosen by the step. -> [B, L]"""
     length = 2 + step % max(1, max_len - 1)
     starts = data.file_starts(length)
     b = batch.shape[0]
     half = b // 2
     pick = [(step * 7919 + 104729 * j) % len(starts) for j in range(b - half)]
-    return torch.cat([batch[:half, :length], starts[pick]], dim=0)
+    if line_starts is None:
+        first = batch[:half, :length]
+    else:
+        first = line_starts[[(step * 6007 + 7727 * j) % len(line_starts) for j in range(half)], :length]
+    return torch.cat([first, starts[pick]], dim=0)
+
+
+def line_start_prompts(train: torch.Tensor, min_len: int, limit: int = 4096) -> torch.Tensor:
+    """Prompts cut from the training windows at a line that opens a `def` or `class` (indented or not), each
+    tokenized on its own as a user's prompt would be (a mid-file `\\n    def` is other tokens than a prompt's
+    `    def`), first min_len tokens; at most `limit`, in window order (deterministic). -> [N, min_len]"""
+    import re
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(SHIPPED_TOKENIZER_DIR / "tokenizer.json"))
+    line = re.compile(r"^ *(?:def|class) \w", re.M)
+    rows: list[list[int]] = []
+    for w in train.tolist():
+        text = tok.decode(w, skip_special_tokens=False)
+        for m in line.finditer(text):
+            ids = tok.encode(text[m.start() : m.start() + 400], add_special_tokens=False).ids
+            if len(ids) >= min_len and EOS_ID not in ids[:min_len]:
+                rows.append(ids[:min_len])
+        if len(rows) >= limit:
+            break
+    if not rows:
+        raise ValueError("no `def`/`class` line with enough tokens in the training windows")
+    return torch.tensor(rows[:limit], dtype=torch.long)
 
 
 def with_copies(batch: torch.Tensor, step: int, frac: float) -> torch.Tensor:
@@ -596,12 +630,14 @@ def train(args, target, draft, data: Batches) -> dict:
             log["joint"].append(entry)
         maybe_checkpoint(ind + step + 1)
     log.setdefault("seq_ul", [])
+    line_pool = (line_start_prompts(data.train, args.seq_ul_prefix)
+                 if args.seq_ul_line_starts and args.seq_ul_steps else None)
     for step in range(max(0, start - ind - args.steps), args.seq_ul_steps):
         # Welleck et al. 2019 sec. 5.2: alternate a sequence-level UL update on the model's own greedy
         # continuations with an MLE (+ token-level UL) update; constant LR, a quarter of the peak
         batch = data.batch(args.skip_batches + args.steps + step)  # [B, S+1]
         lr = opt_t.peak * 0.25
-        s_ul, rep = sequence_unlikelihood(target, seq_ul_prefixes(data, batch, step, args.seq_ul_prefix),
+        s_ul, rep = sequence_unlikelihood(target, seq_ul_prefixes(data, batch, step, args.seq_ul_prefix, line_pool),
                                           args.seq_ul_len, args.seq_ul_exempt_prompt)
         opt_t.step(s_ul, lr)
         if args.seq_ul_edits:
@@ -655,7 +691,8 @@ def checkpoint_args(args) -> dict:
             "unlikelihood", "ul_window", "seq_ul_steps", "seq_ul_prefix", "seq_ul_len", "seq_ul_exempt_prompt", "copy_frac",
             "edit_frac", "induction_steps", "induction_len", "induction_rows", "induction_mix", "induction_weight",
             "induction_code_frac", "induction_vary",
-            "gen_distill", "gen_prefix", "gen_len", "argmax_weight", "draft_induction_mix", "seq_ul_edits")
+            "gen_distill", "gen_prefix", "gen_len", "argmax_weight", "draft_induction_mix", "seq_ul_edits",
+            "seq_ul_line_starts")
     return {k: getattr(args, k) for k in keep}
 
 
@@ -780,7 +817,7 @@ def main(argv=None) -> int:
                                                            "induction_code_frac", "induction_vary",
                                                            "gen_distill", "gen_prefix",
                                                            "gen_len", "argmax_weight", "draft_induction_mix",
-                                                           "seq_ul_edits")},
+                                                           "seq_ul_edits", "seq_ul_line_starts")},
         "heldout_eval": metrics,
         "train_log": log,
         "torch": torch.__version__,

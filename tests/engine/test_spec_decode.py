@@ -361,6 +361,8 @@ def test_logprobs_and_stop_with_speculation(greedy_reference):
     (dict(speculative_model="ngram", num_speculative_tokens=0), "[1, 16]"),
     (dict(speculative_model="ngram", num_speculative_tokens=3, prompt_lookup_min=5, prompt_lookup_max=2),
      "prompt_lookup_min"),
+    (dict(speculative_model="ngram", num_speculative_tokens="auto", speculative_max_k=17), "[1, 16]"),
+    (dict(speculative_model="ngram", num_speculative_tokens="auto", speculative_max_k=4.5), "4.5"),
 ])
 def test_config_errors_name_the_field(kw, msg):
     with pytest.raises(TokenmillError, match=msg.replace("[", r"\[").replace("]", r"\]")):
@@ -381,6 +383,16 @@ def test_unknown_or_mismatched_draft_model_is_a_clear_error(tiny_dir, tmp_path):
     with pytest.raises(TokenmillError, match="vocabulary of 5000 tokens"):
         LLM("demo", kv_cache_bytes="8MiB", speculative_model=str(other), num_speculative_tokens=2)
     assert EngineConfig(speculative_model="ngram", num_speculative_tokens="4").num_speculative_tokens == 4
+
+
+def test_auto_largest_k_defaults_by_proposer():
+    """n-gram's largest auto k is 8 (its proposal is free; verify rows are what the guard measures), a draft
+    model's 6 (each proposed token is a draft forward); an explicit value wins for both."""
+    assert EngineConfig(speculative_model="ngram", num_speculative_tokens="auto").speculative_max_k == 8
+    assert EngineConfig(speculative_model="demo-draft", num_speculative_tokens="auto").speculative_max_k == 6
+    assert EngineConfig(speculative_model="ngram", num_speculative_tokens="auto", speculative_max_k=3).speculative_max_k == 3
+    assert EngineConfig(speculative_model="demo-draft", num_speculative_tokens="auto",
+                        speculative_max_k=10).speculative_max_k == 10
 
 
 # -- the auto policy (pure) ---------------------------------------------------------------------------

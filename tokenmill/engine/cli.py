@@ -41,7 +41,8 @@ def add_engine_args(p, default_model: str = "demo") -> None:
     p.add_argument("--num-speculative-tokens", default=None,
                    help="K (drafts per step, 1..16) or auto (k per sequence per step from measured acceptance and "
                         "step cost, 0 = off)")
-    p.add_argument("--speculative-max-k", type=int, default=6, help="auto: the largest k (default: %(default)s)")
+    p.add_argument("--speculative-max-k", type=int, default=None,
+                   help="auto: the largest k (default: 8 for ngram, 6 for a draft model)")
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="ngram: shortest suffix matched")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="ngram: longest suffix matched")
     p.add_argument("--kv-disk-fsync", action="store_true",

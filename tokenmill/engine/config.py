@@ -23,6 +23,7 @@ def parse_bytes(v: str | int) -> int:
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3 (vLLM's two names)
+NGRAM_MAX_K, DRAFT_MAX_K = 8, 6  # speculative_max_k defaults (see EngineConfig)
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: "torch.dtype") -> "torch.dtype":
@@ -65,7 +66,9 @@ class EngineConfig:
     # speculative_max_k, chosen from measured acceptance and step cost: engine/spec/policy.py).
     speculative_model: str | None = None
     num_speculative_tokens: int | str | None = None
-    speculative_max_k: int = 6  # auto's largest k
+    # auto's largest k; None: 8 for ngram (a lookup is free, a longer proposal costs only verify rows, which the
+    # guard measures), 6 for a draft model (every proposed token is one more draft forward)
+    speculative_max_k: int | None = None
     prompt_lookup_min: int = 2  # ngram: shortest suffix matched
     prompt_lookup_max: int = 4  # ngram: longest suffix matched (tried first)
     # CUDA: decode steps through captured CUDA graphs (engine/graphs.py); needs a CUDA device and a KV cache in the
@@ -77,6 +80,8 @@ class EngineConfig:
         self.kv_host_bytes = parse_bytes(self.kv_host_bytes or 0)
         self.kv_disk_bytes = parse_bytes(self.kv_disk_bytes or 0)
         self.num_speculative_tokens = _parse_num_spec(self.num_speculative_tokens)
+        if self.speculative_max_k is None:
+            self.speculative_max_k = NGRAM_MAX_K if self.speculative_model == "ngram" else DRAFT_MAX_K
         checks = [
             (self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size must be a power of two <= 256"),
             (self.kv_cache_bytes > 0, "kv_cache_bytes must be > 0"),
@@ -103,7 +108,8 @@ class EngineConfig:
              "num_speculative_tokens (--num-speculative-tokens) is set but speculative_model (--speculative-model) is not"),
             (self.speculative_model is None or (isinstance(self.speculative_model, str) and self.speculative_model),
              "speculative_model must be demo-draft, ngram or a model directory"),
-            (1 <= self.speculative_max_k <= 16, f"speculative_max_k must be in [1, 16], got {self.speculative_max_k}"),
+            (isinstance(self.speculative_max_k, int) and 1 <= self.speculative_max_k <= 16,
+             f"speculative_max_k must be an integer in [1, 16], got {self.speculative_max_k!r}"),
             (not self.cuda_graphs or self.kv_cache_dtype not in ("int8", "fp8", "fp8_e4m3"),
              f"cuda_graphs (--cuda-graphs) cannot capture the {self.kv_cache_dtype} KV cache's write (its blocks are "
              f"grouped on the host each step): use --kv-cache-dtype auto|bfloat16|float32"),

@@ -139,19 +139,20 @@ class SpecDecoder:
         return {r.request_id: k for r, k in zip(decoding, ks) if k}
 
     def _shadow_step(self, decoding: list[Request], ks: list[int], rcaps: list[int]) -> None:
-        """Counterfactual acceptance on k = 0 steps (auto, a proposer whose lookup is free: n-gram).
+        """Counterfactual acceptance (auto, a proposer whose lookup is free: n-gram).
 
-        A sequence at k = 0 gets a shadow proposal of min(k_max, its cap) tokens for the positions from its next
-        token on (the proposal speculation would have verified in this step). On its next k = 0 steps the tokens
+        A sequence gets a shadow proposal of min(k_max, its cap) tokens for the positions from its next token on
+        (the proposal a k_max cap would have verified in this step). On its next steps the tokens
         the target emitted are compared with it: the first mismatch at j (or j = all, the target's next token
         known) resolves it as (drafted, j kept), exactly what a verify of that proposal would have kept (greedy:
         the target's token at each position after a kept prefix is the one it emitted; sampled with a point-mass
         proposal: accepted with probability p(d), the chance the emitted token is d), covering j + 1 tokens, so
         the next shadow proposal starts where a speculating sequence's next proposal would. Resolved proposals
-        feed the acceptance EMAs (per request and per proposer: the policy's α) and the guard's content tables
-        (GoodputGuard.observe_shadow: a cap is priced on off's content without a probe). A step that speculates
-        for the sequence drops its shadow (its real counts are the measurement then). No output changes: the
-        lookup has no side effects."""
+        feed the guard's content table (GoodputGuard.observe_shadow: a cap is priced on the content around now
+        without a probe) and, for a sequence at k = 0, the acceptance EMAs (per request and per proposer: the
+        policy's α). A speculating sequence keeps its shadow proposals too (on any step, the target emits the same
+        tokens: lossless), so while on the guard prices the caps above the running one on that content; its own
+        verify counts stay the acceptance EMAs' measurement. No output changes: the lookup has no side effects."""
         pend = self._shadow
         counts = []
         n = len(decoding)
@@ -162,9 +163,6 @@ class SpecDecoder:
             j = (start_i + i) % n
             r = decoding[j]
             rid = r.request_id
-            if ks[j]:
-                pend.pop(rid, None)
-                continue
             toks = r.all_token_ids
             p = pend.get(rid)
             if p is not None:
@@ -180,7 +178,8 @@ class SpecDecoder:
                     self.num_shadow += 1
                     self.num_shadow_drafts += len(prop)
                     self.num_shadow_accepted += m
-                    self.acceptance.observe(rid, len(prop), m)
+                    if not ks[j]:
+                        self.acceptance.observe(rid, len(prop), m)
             if budget and rcaps[j] > 0:
                 budget -= 1
                 pend[rid] = (len(toks), self.proposer.lookup(toks, min(k_max, rcaps[j])))

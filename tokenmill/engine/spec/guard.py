@@ -70,17 +70,21 @@ one's own steps; a larger one on its probes' steps (its extra acceptance is know
 without the per-sequence counts (tests with synthetic rates) leaves the window tables alone: the arm's own
 tokens/seconds are used then (the comparison of rates measured on different steps, as before).
 
-Content while off (shadow proposals, n-gram only: a lookup costs microseconds, a draft model's proposal is k
-forwards). An off bucket has no drafted steps, so its caps were priced on their probes' 8-10 steps: a ladder run on
-the fresh opening of an output lost everywhere and kept the bucket off for hundreds of steps after the content had
-turned repetitive (session 15). The decoder now runs the lookup on k = 0 steps and scores the proposal against the
-tokens the target then emits (what a verify would have kept: exact for greedy, the same acceptance probability for
-a sampled point-mass proposal), one k_max proposal per a_i + 1 tokens, like a speculating sequence's. observe_shadow
-keeps their tokens and the sequence-steps each cap K' would have needed (the table above, for every K' <= k_max)
-while the bucket is off; every comparison made while off (the ladder's, the switch from off, which cap to probe)
-takes its content from there, its seconds per step still from the cap's own probes; and a measured cap whose rate
-on that content beats off by the margin is probed at once instead of after the doubled interval (at most once per
-max(base interval, amortised probe cost) steps). Leaving off drops the table (a later off stretch measures its own).
+Content from shadow proposals (n-gram only: a lookup costs microseconds, a draft model's proposal is k forwards).
+An off bucket has no drafted steps, so its caps were priced on their probes' 8-10 steps: a ladder run on the fresh
+opening of an output lost everywhere and kept the bucket off for hundreds of steps after the content had turned
+repetitive (session 15). The decoder therefore runs a k_max lookup for a sample of the decoding sequences on every
+step and scores the proposal against the tokens the target then emits (what a verify would have kept: exact for
+greedy, the same acceptance probability for a sampled point-mass proposal), one k_max proposal per a_i + 1 tokens,
+like a speculating sequence's. observe_shadow keeps their tokens and the sequence-steps each cap K' would have
+needed (the table above, for every K' <= k_max). While off, every comparison (the ladder's, the switch from off,
+which cap to probe) takes its content from there, its seconds per step still from the cap's own probes; and a
+measured cap whose rate on that content beats off by the margin is probed at once instead of after the doubled
+interval (at most once per max(base interval, amortised probe cost) steps). While on, the same table prices the
+caps *above* the running one (a comparison on a window W > the current cap): their content is otherwise known
+only from their probes' 8-10 steps, so at batch 1 each one-step climb (4 -> 5 -> .. -> 8) needed two lucky probe
+windows and took thousands of steps (session 20: served n-gram auto 1.74x where a fixed k = 8 made 2.03x); a
+comparison within the running cap keeps its exact counts (the cf windows).
 
 Each arm's rate is the ratio of two EMAs (tokens and seconds, per observation of that arm), so a step that
 emitted 5 tokens and one that emitted 1 weigh by their time. No clock is read here: the engine passes the
@@ -191,7 +195,7 @@ class _Bucket:
         # the steps run at caps >= W (every K' <= W updated together: the same steps)
         self.cf: dict[int, dict[int, list[float]]] = {}
         self.last_probe = 0  # the step the last probe started at
-        # while off: content of the shadow proposals (observe_shadow), shadow[K'] = [tokens, sequence-steps K'
+        # content of the shadow proposals (observe_shadow), shadow[K'] = [tokens, sequence-steps K'
         # would have needed, samples]; None until the decoder sends any (a proposer without free lookups)
         self.shadow: dict[int, list[float]] | None = None
 
@@ -266,6 +270,9 @@ class GoodputGuard:
                 return k
             on = [(self._ratio(b, k, 0), k) for k, a in b.arms.items() if k and a.samples]
             return max(on)[1] if on else b.seed
+        up = self._above_wins(b)
+        if up is not None:
+            return up
         if b.num_probes % 2 == 0:
             return 0  # keep the off reference measured at this batch size
         step = 1 if (b.num_probes // 2) % 2 else -1
@@ -273,6 +280,16 @@ class GoodputGuard:
             if 1 <= cand <= k_max:
                 return cand
         return None
+
+    def _above_wins(self, b: _Bucket) -> int | None:
+        """While on, with shadow content: the measured cap above the running one that beats it by the margin on
+        the content around now (the best such), else None."""
+        if b.cur == 0 or b.shadow is None:
+            return None
+        bar = 1 + self.cfg.margin
+        up = [(r, k) for k, a in b.arms.items() if k > b.cur and a.samples >= self.cfg.min_samples
+              and (r := self._ratio(b, k, b.cur)) > bar]
+        return max(up)[1] if up else None
 
     def _decide(self, b: _Bucket) -> None:
         cfg = self.cfg
@@ -295,8 +312,6 @@ class GoodputGuard:
         # pending challenger and kept the bucket off for ~90 more steps, session 15): speculation beating off was
         # confirmed twice, the best cap now wins, the +-1 probes refine it from there
         if best != b.cur and (best == b.pending or (b.cur == 0 and b.pending is not None)):
-            if b.cur == 0:
-                b.shadow = None  # off's content; a later return to off measures its own
             b.cur, b.pending = best, None
             self.num_switches += 1
             b.interval = b.base
@@ -388,7 +403,8 @@ class GoodputGuard:
         a = b.arms.get(k)
         if a is None or not a.seconds > 0:
             return 0.0
-        if b.cur == 0 and b.shadow is not None and k > 0:  # off: the content of the shadow proposals around now
+        if b.shadow is not None and k > 0 and (b.cur == 0 or w > b.cur):
+            # off, or a window above the running cap: the content of the shadow proposals around now
             c = b.shadow[k]
             if c[2] >= self.cfg.min_samples and c[1] > 0 and a.nseq > 0:
                 return c[0] / c[1] * a.nseq / a.seconds
@@ -425,17 +441,17 @@ class GoodputGuard:
                 c[2] += 1
 
     def observe_shadow(self, n: int, seqs) -> None:
-        """Shadow proposals scored on k = 0 steps of n decoding sequences (the decoder's _shadow_step, n-gram):
-        per proposal (drafted k_i <= k_max, kept a_i), what a verify would have kept, covering a_i + 1 tokens
-        like a sequence-step under a cap >= k_i. They fill the bucket's shadow table (for every cap K' <= k_max:
-        tokens, and the sequence-steps K' would have needed for them, EMAs as in _content), the content every
-        comparison uses while the bucket is off (_rate): a rung probed on a stretch of fresh code is judged on the
-        content of the off steps around it (its probe measures its seconds per step), and while off, a measured
-        cap whose rate on that content beats off by the margin is probed at once, not after the doubled interval
-        (the content changed since the last comparison; at most once per max(base interval, amortised probe
-        cost) steps). Only while the bucket is off: a speculating bucket measures its own steps."""
+        """Shadow proposals scored on steps of n decoding sequences (the decoder's _shadow_step, n-gram): per
+        proposal (drafted k_i <= k_max, kept a_i), what a verify would have kept, covering a_i + 1 tokens like a
+        sequence-step under a cap >= k_i. They fill the bucket's shadow table (for every cap K' <= k_max: tokens,
+        and the sequence-steps K' would have needed for them, EMAs as in _content), the content every comparison
+        uses while the bucket is off and every comparison on a window above the running cap while on (_rate): a
+        rung probed on a stretch of fresh code is judged on the content of the steps around it (its probe
+        measures its seconds per step). While off, a measured cap whose rate on that content beats off by the
+        margin is probed at once, not after the doubled interval (the content changed since the last comparison;
+        at most once per max(base interval, amortised probe cost) steps)."""
         b = self.buckets.get(bucket(n))
-        if b is None or b.cur != 0 or not seqs:
+        if b is None or not seqs:
             return
         k_max = self.cfg.k_max
         for k, a in seqs:
@@ -453,9 +469,12 @@ class GoodputGuard:
         if (b.probe_arm is None and b.pending is None and b.steps < b.next_probe
                 and b.steps - b.last_probe >= max(b.base, self._amortised(b)) and self._next_rung(b) is None):
             bar = 1 + self.cfg.margin
-            if any(a.samples >= self.cfg.min_samples and self._ratio(b, k, 0) > bar
-                   for k, a in b.arms.items() if k):
-                b.next_probe = b.steps  # the next cap() probes: _probe_target picks the best measured cap
+            if b.cur == 0:
+                if any(a.samples >= self.cfg.min_samples and self._ratio(b, k, 0) > bar
+                       for k, a in b.arms.items() if k):
+                    b.next_probe = b.steps  # the next cap() probes: _probe_target picks the best measured cap
+            elif self._above_wins(b) is not None:
+                b.next_probe = b.steps  # on: a cap above wins on this content; _probe_target probes it
 
     def probe_cost(self, n: int) -> float | None:
         """The measured cost of a probe in this bucket, seconds (None: not measured)."""
