@@ -159,20 +159,23 @@ class SpecDecoder:
         budget = SHADOW_PER_STEP
         k_max = self.policy.k_max
         start_i = (self.num_plans * SHADOW_PER_STEP) % n  # rotate who gets the step's new proposals
+        lookup = self.proposer.lookup
         for i in range(n):
             j = (start_i + i) % n
             r = decoding[j]
             rid = r.request_id
             toks = r.all_token_ids
+            nt = len(toks)
             p = pend.get(rid)
-            if p is not None:
+            while p is not None:
                 start, prop = p
-                nt, m = len(toks), 0
+                m = 0
                 while m < len(prop) and start + m < nt and toks[start + m] == prop[m]:
                     m += 1
                 if start + m >= nt:  # the token that decides is not known yet
-                    continue
+                    break
                 del pend[rid]
+                p = None
                 counts.append((len(prop), m))
                 if prop:
                     self.num_shadow += 1
@@ -180,9 +183,17 @@ class SpecDecoder:
                     self.num_shadow_accepted += m
                     if not ks[j]:
                         self.acceptance.observe(rid, len(prop), m)
-            if budget and rcaps[j] > 0:
+                # the chain goes on where a k_max sequence's next proposal would start: after the token that
+                # resolved this one (a speculating sequence may be several tokens further by now; starting at its
+                # current position would skip the positions right after a mismatch, where lookups fail most,
+                # and overstate the longer caps' content: session 20, batch 32, +16% at k = 2)
+                pos = start + m + 1
+                if budget and pos < nt:
+                    budget -= 1
+                    p = pend[rid] = (pos, lookup(toks[:pos], min(k_max, rcaps[j] + nt - pos)))
+            if rid not in pend and budget and rcaps[j] > 0:
                 budget -= 1
-                pend[rid] = (len(toks), self.proposer.lookup(toks, min(k_max, rcaps[j])))
+                pend[rid] = (nt, lookup(toks, min(k_max, rcaps[j])))
         if counts:
             self.guard.observe_shadow(n, counts)
 
