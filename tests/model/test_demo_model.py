@@ -230,3 +230,34 @@ def test_new_recipe_options_are_checked_and_bind_a_checkpoint():
         td.parse_args(["--out", "x", "--draft-induction-mix", "-1"])
     a = td.parse_args(["--out", "x", "--draft-induction-mix", "8", "--seq-ul-edits"])
     assert td.checkpoint_args(a)["draft_induction_mix"] == 8 and td.checkpoint_args(a)["seq_ul_edits"] is True
+
+
+def test_seq_ul_line_start_prompts_open_a_def_or_class_as_a_prompt_is_tokenized():
+    """--seq-ul-line-starts (session 20): prefixes cut at `def`/`class` lines, each tokenized on its own (as a user's
+    prompt), replace the mid-file half of a sequence-UL step's prefixes; the option binds a checkpoint."""
+    from tokenizers import Tokenizer
+
+    td = load_train_demo()
+    tok = Tokenizer.from_file(str(SHIPPED_TOKENIZER_DIR / "tokenizer.json"))
+    text = "import os\n\n\nclass Stack:\n    def __init__(self, items):\n        self.items = items\n\n" \
+           "    def push(self, x):\n        self.items.append(x)\n\nx = 1\n" * 3
+    ids = tok.encode(text, add_special_tokens=False).ids
+    windows = torch.tensor([ids[:120], ids[40:160]])
+    rows = td.line_start_prompts(windows, 6)
+    assert rows.shape[1] == 6 and len(rows) >= 4
+    starts = {tok.decode(r.tolist()) for r in rows}
+    assert all(s.lstrip().startswith(("def ", "class ")) for s in starts), starts
+    assert any(s.startswith("    def") for s in starts)  # an indented line keeps its indentation, as a prompt would
+    assert rows[0].tolist() == tok.encode("class Stack:\n    def __init__", add_special_tokens=False).ids[:6]
+    with pytest.raises(ValueError, match="no `def`/`class` line"):
+        td.line_start_prompts(torch.tensor([tok.encode("x = 1\ny = 2\n" * 20, add_special_tokens=False).ids]), 6)
+    batch = torch.arange(4 * 40).reshape(4, 40)
+
+    class _Data:
+        def file_starts(self, length):
+            return torch.full((3, length), 7)
+
+    mixed = td.seq_ul_prefixes(_Data(), batch, step=3, max_len=6, line_starts=rows)
+    assert mixed.shape == (4, 5) and (mixed[2:] == 7).all()
+    assert all(r.tolist() in [x[:5].tolist() for x in rows] for r in mixed[:2])
+    assert td.checkpoint_args(td.parse_args(["--out", "x", "--seq-ul-line-starts"]))["seq_ul_line_starts"] is True

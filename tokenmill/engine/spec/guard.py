@@ -101,6 +101,10 @@ class GuardConfig:
     k_max: int = 6
     probe_every: int = 24  # steps of a bucket between probes (at first, and after a switch)
     max_probe_every: int = 512  # the interval after repeated failed probes (probe cost ~2% when settled)
+    # ... in a bucket with shadow content (n-gram): every cap's content is known without probing (above the running
+    # cap from the shadow table, at or below it from the exact verify counts), so periodic probes only re-measure
+    # seconds per step; a change of content that makes another measured cap win triggers a probe at once
+    max_probe_every_shadow: int = 4096
     probe_len: int = 8  # steps a probe runs under the probed cap (the first `settle` not recorded)
     min_samples: int = 8  # steps an arm needs before it can win or lose a comparison
     margin: float = 0.03  # a challenger must beat the current arm's measured rate by this (relative)
@@ -116,7 +120,8 @@ class GuardConfig:
     def __post_init__(self):
         if not 1 <= self.k_max <= 16:
             raise ValueError(f"guard k_max must be in [1, 16], got {self.k_max}")
-        if self.probe_every < 1 or self.max_probe_every < self.probe_every or self.probe_len < 1:
+        if (self.probe_every < 1 or self.max_probe_every < self.probe_every or self.probe_len < 1
+                or self.max_probe_every_shadow < self.max_probe_every):
             raise ValueError("guard needs probe_every >= 1, max_probe_every >= probe_every, probe_len >= 1")
         if self.min_samples < 1 or self.margin < 0 or not 0 < self.decay < 1 or self.outlier <= 1:
             raise ValueError("guard needs min_samples >= 1, margin >= 0, decay in (0, 1), outlier > 1")
@@ -282,12 +287,13 @@ class GoodputGuard:
         return None
 
     def _above_wins(self, b: _Bucket) -> int | None:
-        """While on, with shadow content: the measured cap above the running one that beats it by the margin on
-        the content around now (the best such), else None."""
+        """While on, with shadow content: the measured cap (off included) that beats the running one by the margin
+        on the content around now (above it: the shadow table; below: the running cap's exact counts), the best
+        such, else None."""
         if b.cur == 0 or b.shadow is None:
             return None
         bar = 1 + self.cfg.margin
-        up = [(r, k) for k, a in b.arms.items() if k > b.cur and a.samples >= self.cfg.min_samples
+        up = [(r, k) for k, a in b.arms.items() if k != b.cur and a.samples >= self.cfg.min_samples
               and (r := self._ratio(b, k, b.cur)) > bar]
         return max(up)[1] if up else None
 
@@ -321,7 +327,8 @@ class GoodputGuard:
             return
         else:
             b.pending = None
-            b.interval = min(cfg.max_probe_every, b.interval * 2)
+            b.interval = min(cfg.max_probe_every_shadow if b.shadow is not None else cfg.max_probe_every,
+                             b.interval * 2)
         b.next_probe = b.steps + max(b.interval, self._amortised(b))
 
     def _amortised(self, b: _Bucket) -> int:
@@ -466,7 +473,7 @@ class GoodputGuard:
             c[0] = d * c[0] + tokens
             c[1] = d * c[1] + sum(e / (min(a, kk) + 1) for e, (_k, a) in zip(emitted, seqs))
             c[2] += 1
-        if (b.probe_arm is None and b.pending is None and b.steps < b.next_probe
+        if (b.probe_arm is None and b.pending is None and b.steps < b.next_probe and b.steps % 8 == 0
                 and b.steps - b.last_probe >= max(b.base, self._amortised(b)) and self._next_rung(b) is None):
             bar = 1 + self.cfg.margin
             if b.cur == 0:
@@ -474,7 +481,7 @@ class GoodputGuard:
                        for k, a in b.arms.items() if k):
                     b.next_probe = b.steps  # the next cap() probes: _probe_target picks the best measured cap
             elif self._above_wins(b) is not None:
-                b.next_probe = b.steps  # on: a cap above wins on this content; _probe_target probes it
+                b.next_probe = b.steps  # on: another cap wins on this content; _probe_target probes it
 
     def probe_cost(self, n: int) -> float | None:
         """The measured cost of a probe in this bucket, seconds (None: not measured)."""
