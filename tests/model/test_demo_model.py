@@ -240,7 +240,7 @@ def test_seq_ul_line_start_prompts_open_a_def_or_class_as_a_prompt_is_tokenized(
     td = load_train_demo()
     tok = Tokenizer.from_file(str(SHIPPED_TOKENIZER_DIR / "tokenizer.json"))
     text = "import os\n\n\nclass Stack:\n    def __init__(self, items):\n        self.items = items\n\n" \
-           "    def push(self, x):\n        self.items.append(x)\n\nx = 1\n" * 3
+           "    def push(self, x):\n        self.items.append(x)\n\nx = 1\n" * 8
     ids = tok.encode(text, add_special_tokens=False).ids
     windows = torch.tensor([ids[:120], ids[40:160]])
     rows = td.line_start_prompts(windows, 6)
