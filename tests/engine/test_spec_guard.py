@@ -489,26 +489,31 @@ def test_guard_from_off_switches_when_two_caps_take_turns_beating_off():
 # -- shadow proposals (session 16): n-gram acceptance measured while off ------------------------------------
 
 
-def _drive_shadow(rep: list[bool], steps: int, shadow: bool) -> tuple[float, int]:
-    """Like _drive_content, and on every step the decoder's shadow bookkeeping (decoder._shadow_step): a k_max
-    proposal at the next position, resolved once the target's token after its kept prefix is known, fed to
-    observe_shadow. Returns (tokens/s over the run, the cap it ends on)."""
-    g = GoodputGuard(GuardConfig(k_max=6))
-    p, pend, t, tok = 0, None, 0.0, 0
+def _drive_shadow(rep: list[bool], steps: int, shadow: bool, k_max: int = 6, while_on: bool = True):
+    """Like _drive_content, with the decoder's shadow bookkeeping (decoder._shadow_step): a k_max proposal at the
+    next position, resolved once the target's token after its kept prefix is known, fed to observe_shadow — on
+    every step (while_on; the decoder since session 20) or on k = 0 steps only, the table dropped when the bucket
+    turns on (the decoder before). Returns (tokens/s over the run, [(content position, current cap) per step])."""
+    g = GoodputGuard(GuardConfig(k_max=k_max))
+    p, pend, t, tok, trace = 0, None, 0.0, 0, []
     for _ in range(steps):
         c = g.cap(1, suggest=4)
-        if shadow:
+        b = g.buckets[1]
+        if shadow and not while_on and b.cur:
+            b.shadow, pend = None, None
+        if shadow and (while_on or not b.cur):
             if pend is not None and p > pend[0] + pend[2]:  # the token after the kept prefix is known
                 g.observe_shadow(1, [pend[1:]])
                 pend = None
             if pend is None:
-                d, a, _s = _ngram_step(rep, p, 6)
+                d, a, _s = _ngram_step(rep, p, k_max)
                 pend = (p, d, a)
         d, a, s = _ngram_step(rep, p, c)
         p += a + 1
         g.observe(1, c, a + 1, s, [(d, a)])
         t, tok = t + s, tok + a + 1
-    return tok / t, g.current(1)
+        trace.append((p, b.cur))
+    return tok / t, trace
 
 
 @pytest.mark.parametrize("fresh0,fresh,repeat", [(120, 30, 150), (200, 40, 100)])
@@ -519,7 +524,8 @@ def test_shadow_content_prices_caps_from_off(fresh0, fresh, repeat):
     # (and an early probe when it turns), and auto ends within 3% of the best fixed k
     rep = ([False] * fresh0 + _bursty(fresh, repeat, 40000, 0))[:40000]
     best = max(_fixed_rate(rep, k, 1000) for k in range(7))
-    new, cur = _drive_shadow(rep, 1000, shadow=True)
+    new, trace = _drive_shadow(rep, 1000, shadow=True)
+    cur = trace[-1][1]
     old, _ = _drive_shadow(rep, 1000, shadow=False)
     assert new >= 0.97 * best and cur == 6, (new / best, cur)
     assert old < 0.9 * best, old / best  # the scenario discriminates
@@ -581,32 +587,6 @@ def test_a_stall_in_a_probes_first_steps_does_not_keep_the_guard_off(stall_at):
     assert tok / t * off_s > 2.5, (tok / t * off_s, g.rates(1))
 
 
-def _drive_shift(rep: list[bool], steps: int, while_on: bool, k_max: int = 8):
-    """Batch 1 under the guard with shadow proposals on every step (while_on; the decoder since session 20) or on
-    k = 0 steps only, the table dropped when the bucket turns on (the decoder before). -> (tokens/s, [(content
-    position, current cap) per step])"""
-    g = GoodputGuard(GuardConfig(k_max=k_max))
-    p, pend, t, tok, trace = 0, None, 0.0, 0, []
-    for _ in range(steps):
-        c = g.cap(1, suggest=4)
-        b = g.buckets[1]
-        if not while_on and b.cur:
-            b.shadow, pend = None, None
-        if while_on or not b.cur:
-            if pend is not None and p > pend[0] + pend[2]:  # the token after the kept prefix is known
-                g.observe_shadow(1, [pend[1:]])
-                pend = None
-            if pend is None:
-                d, a, _s = _ngram_step(rep, p, k_max)
-                pend = (p, d, a)
-        d, a, s = _ngram_step(rep, p, c)
-        p += a + 1
-        g.observe(1, c, a + 1, s, [(d, a)])
-        t, tok = t + s, tok + a + 1
-        trace.append((p, b.cur))
-    return tok / t, trace
-
-
 @pytest.mark.parametrize("fresh,repeat", [(10, 4), (6, 3), (12, 5)])
 def test_shadow_content_while_on_climbs_to_the_best_cap_after_the_content_changes(fresh, repeat):
     # session 20, served batch-1 n-gram (k_max 8): the output opens on short repeats (the ladder settles on a middle
@@ -617,8 +597,8 @@ def test_shadow_content_while_on_climbs_to_the_best_cap_after_the_content_change
     shift = 1500
     rep = (_bursty(fresh, repeat, shift, 0) + _bursty(20, 200, 40000, 0))[:40000]
     best = max(_fixed_rate(rep, k, 3000) for k in range(9))
-    new, trace = _drive_shift(rep, 3000, while_on=True)
-    old, old_trace = _drive_shift(rep, 3000, while_on=False)
+    new, trace = _drive_shadow(rep, 3000, True, k_max=8, while_on=True)
+    old, old_trace = _drive_shadow(rep, 3000, True, k_max=8, while_on=False)
 
     def steps_to_8(tr):
         at = next(i for i, (p, _c) in enumerate(tr) if p > shift)
