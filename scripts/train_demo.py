@@ -121,6 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="sequence-UL phase: the mid-file half of its prefixes start at a `def`/`class` line of a "
                         "training window, tokenized as a prompt on its own (what a user's short prompt looks like: "
                         "`def name(args):`, `    def __init__(self`), instead of at a window's first token")
+    p.add_argument("--seq-ul-line-kinds", default="def,class",
+                   help="with --seq-ul-line-starts: the keywords a prefix's line opens with, comma-separated "
+                        "(def, class, import, from, ...)")
     p.add_argument("--quick", action="store_true", help="smoke run: a few steps, tiny eval")
     args = p.parse_args(argv)
     if not 0 <= args.copy_frac <= 1 or not 0 <= args.edit_frac <= 1 or args.copy_frac + args.edit_frac > 1:
@@ -371,7 +374,8 @@ def seq_ul_prefixes(data: "Batches", batch: torch.Tensor, step: int, max_len: in
     return torch.cat([first, starts[pick]], dim=0)
 
 
-def line_start_prompts(train: torch.Tensor, min_len: int, limit: int = 4096) -> torch.Tensor:
+def line_start_prompts(train: torch.Tensor, min_len: int, limit: int = 4096,
+                       kinds: tuple[str, ...] = ("def", "class")) -> torch.Tensor:
     """Prompts cut from the training windows at a line that opens a `def` or `class` (indented or not), each
     tokenized on its own as a user's prompt would be (a mid-file `\\n    def` is other tokens than a prompt's
     `    def`), first min_len tokens; at most `limit`, in window order (deterministic). -> [N, min_len]"""
@@ -380,7 +384,7 @@ def line_start_prompts(train: torch.Tensor, min_len: int, limit: int = 4096) -> 
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(SHIPPED_TOKENIZER_DIR / "tokenizer.json"))
-    line = re.compile(r"^ *(?:def|class) \w", re.M)
+    line = re.compile(r"^ *(?:" + "|".join(map(re.escape, kinds)) + r") \w", re.M)
     rows: list[list[int]] = []
     for w in train.tolist():
         text = tok.decode(w, skip_special_tokens=False)
@@ -391,7 +395,7 @@ def line_start_prompts(train: torch.Tensor, min_len: int, limit: int = 4096) -> 
         if len(rows) >= limit:
             break
     if not rows:
-        raise ValueError("no `def`/`class` line with enough tokens in the training windows")
+        raise ValueError(f"no {'/'.join(kinds)} line with enough tokens in the training windows")
     return torch.tensor(rows[:limit], dtype=torch.long)
 
 
@@ -630,7 +634,7 @@ def train(args, target, draft, data: Batches) -> dict:
             log["joint"].append(entry)
         maybe_checkpoint(ind + step + 1)
     log.setdefault("seq_ul", [])
-    line_pool = (line_start_prompts(data.train, args.seq_ul_prefix)
+    line_pool = (line_start_prompts(data.train, args.seq_ul_prefix, kinds=tuple(args.seq_ul_line_kinds.split(",")))
                  if args.seq_ul_line_starts and args.seq_ul_steps else None)
     for step in range(max(0, start - ind - args.steps), args.seq_ul_steps):
         # Welleck et al. 2019 sec. 5.2: alternate a sequence-level UL update on the model's own greedy
@@ -692,7 +696,7 @@ def checkpoint_args(args) -> dict:
             "edit_frac", "induction_steps", "induction_len", "induction_rows", "induction_mix", "induction_weight",
             "induction_code_frac", "induction_vary",
             "gen_distill", "gen_prefix", "gen_len", "argmax_weight", "draft_induction_mix", "seq_ul_edits",
-            "seq_ul_line_starts")
+            "seq_ul_line_starts", "seq_ul_line_kinds")
     return {k: getattr(args, k) for k in keep}
 
 
@@ -817,7 +821,7 @@ def main(argv=None) -> int:
                                                            "induction_code_frac", "induction_vary",
                                                            "gen_distill", "gen_prefix",
                                                            "gen_len", "argmax_weight", "draft_induction_mix",
-                                                           "seq_ul_edits", "seq_ul_line_starts")},
+                                                           "seq_ul_edits", "seq_ul_line_starts", "seq_ul_line_kinds")},
         "heldout_eval": metrics,
         "train_log": log,
         "torch": torch.__version__,

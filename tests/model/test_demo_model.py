@@ -249,7 +249,9 @@ def test_seq_ul_line_start_prompts_open_a_def_or_class_as_a_prompt_is_tokenized(
     assert all(s.lstrip().startswith(("def ", "class ")) for s in starts), starts
     assert any(s.startswith("    def") for s in starts)  # an indented line keeps its indentation, as a prompt would
     assert rows[0].tolist() == tok.encode("class Stack:\n    def __init__", add_special_tokens=False).ids[:6]
-    with pytest.raises(ValueError, match="no `def`/`class` line"):
+    imports = {tok.decode(r.tolist()) for r in td.line_start_prompts(windows, 2, kinds=("import",))}
+    assert imports == {"import os"}, imports
+    with pytest.raises(ValueError, match="no def/class line"):
         td.line_start_prompts(torch.tensor([tok.encode("x = 1\ny = 2\n" * 20, add_special_tokens=False).ids]), 6)
     batch = torch.arange(4 * 40).reshape(4, 40)
 
