@@ -31,8 +31,10 @@ the policy under the best measured cap.
                    at least `min_samples` steps, in two comparisons in a row (after the first win the current
                    arm runs for a probe's length, then the challenger is probed again: one lucky window of a
                    noisy machine does not switch); a failed probe doubles the probe interval (up to
-                   `max_probe_every`), a switch resets it: at a steady load the guard settles and probes
-                   rarely (bounded exploration cost), a changed load is found again.
+                   `max_probe_every`; `max_probe_every_shadow` where shadow content prices every cap, and
+                   there a cap that wins on the current content is probed at once), a switch resets it: at a
+                   steady load the guard settles and probes rarely (bounded exploration cost), a changed load
+                   is found again.
     probe cost     what a probe measurably cost: the seconds of its steps and of the `settle` steps after it
                    (back at the current arm: a draft catching up on what it skipped) less what the current
                    arm's rate would have taken for the same tokens. The first step of a probe from off is a
@@ -122,7 +124,8 @@ class GuardConfig:
             raise ValueError(f"guard k_max must be in [1, 16], got {self.k_max}")
         if (self.probe_every < 1 or self.max_probe_every < self.probe_every or self.probe_len < 1
                 or self.max_probe_every_shadow < self.max_probe_every):
-            raise ValueError("guard needs probe_every >= 1, max_probe_every >= probe_every, probe_len >= 1")
+            raise ValueError("guard needs probe_every >= 1, max_probe_every >= probe_every, "
+                             "max_probe_every_shadow >= max_probe_every, probe_len >= 1")
         if self.min_samples < 1 or self.margin < 0 or not 0 < self.decay < 1 or self.outlier <= 1:
             raise ValueError("guard needs min_samples >= 1, margin >= 0, decay in (0, 1), outlier > 1")
         if not 0 < self.explore_budget < 1 or self.max_amortised_every < self.max_probe_every:
@@ -275,7 +278,7 @@ class GoodputGuard:
                 return k
             on = [(self._ratio(b, k, 0), k) for k, a in b.arms.items() if k and a.samples]
             return max(on)[1] if on else b.seed
-        up = self._above_wins(b)
+        up = self._content_winner(b)
         if up is not None:
             return up
         if b.num_probes % 2 == 0:
@@ -286,10 +289,10 @@ class GoodputGuard:
                 return cand
         return None
 
-    def _above_wins(self, b: _Bucket) -> int | None:
-        """While on, with shadow content: the measured cap (off included) that beats the running one by the margin
-        on the content around now (above it: the shadow table; below: the running cap's exact counts), the best
-        such, else None."""
+    def _content_winner(self, b: _Bucket) -> int | None:
+        """While on, with shadow content: the measured cap (above or below the running one, off included) that
+        beats the running one by the margin on the content around now (above it: the shadow table; below: the
+        running cap's exact counts), the best such, else None."""
         if b.cur == 0 or b.shadow is None:
             return None
         bar = 1 + self.cfg.margin
@@ -473,14 +476,14 @@ class GoodputGuard:
             c[0] = d * c[0] + tokens
             c[1] = d * c[1] + sum(e / (min(a, kk) + 1) for e, (_k, a) in zip(emitted, seqs))
             c[2] += 1
-        if (b.probe_arm is None and b.pending is None and b.steps < b.next_probe and b.steps % 8 == 0
+        if (b.probe_arm is None and b.pending is None and b.steps < b.next_probe
                 and b.steps - b.last_probe >= max(b.base, self._amortised(b)) and self._next_rung(b) is None):
-            bar = 1 + self.cfg.margin
             if b.cur == 0:
+                bar = 1 + self.cfg.margin
                 if any(a.samples >= self.cfg.min_samples and self._ratio(b, k, 0) > bar
                        for k, a in b.arms.items() if k):
                     b.next_probe = b.steps  # the next cap() probes: _probe_target picks the best measured cap
-            elif self._above_wins(b) is not None:
+            elif b.steps % 8 == 0 and self._content_winner(b) is not None:  # every 8 steps: it rates every arm
                 b.next_probe = b.steps  # on: another cap wins on this content; _probe_target probes it
 
     def probe_cost(self, n: int) -> float | None:
