@@ -4,6 +4,7 @@ idle (1 session) to saturation, speculation off vs each configuration, ratios vs
     python benchmarks/spec_serve_sweep.py --concurrency 1 4 16 64 --duration 15 \
         --config off= --config draft-k4=demo-draft:4 --config draft-auto=demo-draft:auto \
         --config ngram-auto6=ngram:auto:6      # MODEL:K, or MODEL:auto:MAX_K (--speculative-max-k)
+        --config nogap=ngram:auto@TOKENMILL_SPEC_GAP=0    # ...@VAR=VALUE[,VAR=VALUE]: the server's environment
     python benchmarks/spec_serve_sweep.py --num-threads 1 --rounds 2 --duration 7 ...   # a shared, loaded box
 
 `--rounds R` repeats each level R times, configurations interleaved within a round; a configuration's ratio
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -44,12 +46,20 @@ from tokenmill.hardware import capabilities  # noqa: E402
 
 def start_server(spec: str, extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "tokenmill", "serve", "--model", "demo", "--port", "0", "--admission", "off", *extra]
+    env = dict(os.environ)
+    if "@" in spec:  # MODEL:K@VAR=VALUE,...: environment variables for this server (a diagnostic switch's A/B)
+        spec, _, assigns = spec.partition("@")
+        for a in assigns.split(","):
+            var, eq, value = a.partition("=")
+            if not eq or not var:
+                raise SystemExit(f"--config ...@{assigns}: expected VAR=VALUE[,VAR=VALUE], got {a!r}")
+            env[var] = value
     if spec:
         model, k, *max_k = spec.split(":")  # MODEL:K or MODEL:auto:MAX_K
         cmd += ["--speculative-model", model, "--num-speculative-tokens", k]
         if max_k:
             cmd += ["--speculative-max-k", max_k[0]]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     seen = []
     for line in p.stdout:  # the first line naming the URL (warnings may come before it)
         seen.append(line)

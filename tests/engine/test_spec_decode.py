@@ -496,3 +496,41 @@ def test_speculation_with_kv_tiers_stores_only_known_tokens(tmp_path, greedy_ref
     second = LLM("demo", **kw)
     assert [r.outputs[0].token_ids for r in second.generate(PROMPTS, sp)] == greedy_reference
     assert second.engine.stats().kv_tiers["host"]["loaded_blocks"] > 0
+
+
+def test_auto_counts_the_time_between_back_to_back_steps(monkeypatch):
+    """The cost of a step that `auto` weighs is its whole period: what the engine's caller spends between two
+    back-to-back steps (the core process's IPC and output handling: 0.2 ms of ~1 ms at batch 1 through the server,
+    session 21) is paid once per step whatever k, so leaving it out favours short drafts. Here the caller spends
+    20 ms between steps: every guard observation after the first few counts it; an idle wait (no unfinished work,
+    then a new request) is not counted."""
+    import time
+
+    from tokenmill.engine.spec.guard import GoodputGuard
+
+    seen: list[float] = []
+    observe = GoodputGuard.observe
+
+    def spy(self, n, cap, tokens, seconds, seqs=None):
+        seen.append(seconds)
+        observe(self, n, cap, tokens, seconds, seqs)
+
+    monkeypatch.setattr(GoodputGuard, "observe", spy)
+    llm = LLM("demo", kv_cache_bytes="32MiB", dtype="float32", speculative_model="ngram", num_speculative_tokens="auto")
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    eng.add_request("a", eng.tokenizer.encode(PROMPTS[2]), sp)
+    while eng.has_unfinished_requests():
+        eng.step()
+        time.sleep(0.02)
+    first = list(seen)
+    assert len(first) >= 15, len(first)
+    assert all(s >= 0.02 for s in first[8:]), [round(s * 1e3, 1) for s in first]
+    gap = eng.spec.gap_s
+    assert 0.015 < gap < 0.04, gap
+    seen.clear()
+    time.sleep(0.3)  # idle: the engine has no unfinished work
+    eng.add_request("b", eng.tokenizer.encode(PROMPTS[0]), sp)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert seen and all(s < 0.2 for s in seen), [round(s * 1e3, 1) for s in seen]

@@ -35,6 +35,10 @@ SHORT_CATCHUP = 16  # draft tokens a catch-up may hold and still be a steady-sta
 # `auto` with a proposer whose lookup is nearly free (n-gram, ~7-25 us): at most this many new shadow proposals per
 # step (sequences at k = 0), so a big batch pays ~0.1 ms a step for them at most
 SHADOW_PER_STEP = 8
+# the time between steps (the engine's output processing, the core process's IPC, the scheduler's bookkeeping of
+# finished requests) is a cost of every step, paid between one step's postprocess and the next plan(): a gap longer
+# than this many times its EMA (a GC pause, a stall of the shared machine) counts as that long
+GAP_OUTLIER = 4.0
 
 # the cost model's prior (seconds: base, per decoding seq, per drafted token, per draft step, per spec seq):
 # the demo pair on the 2-core dev box, whole engine steps; measurements replace it within a few steps
@@ -55,6 +59,20 @@ class SpecDecoder:
         self.cost = SpecStepCost(StepCostConfig(prior=PRIOR_DRAFT if proposer.has_kv else PRIOR_NGRAM),
                                  k_scale=max_k)
         self._t_plan = 0.0  # perf_counter at this step's plan()
+        # the step's share of the engine's time between steps: perf_counter where the last step's measured seconds
+        # ended (None: consumed by a plan, or the engine had no unfinished work after it), the request ids that
+        # step decoded, this step's gap (None: not a back-to-back step), and the EMA of the gaps counted
+        self._t_end: float | None = None
+        self._end_ids: frozenset[str] = frozenset()
+        self._gap: float | None = None
+        self.gap_s: float | None = None
+        self._step_gap = 0.0  # the gap counted for this step (its seconds are plan .. observe_step + this)
+        # diagnostics: TOKENMILL_SPEC_GAP=0 leaves the gap out (a step's seconds plan .. postprocess only, as before
+        # session 21), for an A/B of the two accounts in one run (benchmarks/spec_serve_sweep.py --config ...@ENV)
+        gap = os.environ.get("TOKENMILL_SPEC_GAP", "1")
+        if gap not in ("0", "1"):
+            raise ValueError(f"TOKENMILL_SPEC_GAP must be 0 or 1, got {gap!r}")
+        self.count_gap = gap == "1"
         self._shape: tuple[int, int, int, int] | None = None  # this step's planned shape (decode-only steps)
         self.prev_k: dict[str, int] = {}
         self.drafts: dict[str, object] = {}  # request id -> this step's Draft
@@ -99,7 +117,13 @@ class SpecDecoder:
             draft_step_s=c.per_draft_step, draft_token_s=0.0, spec_seq_s=c.per_spec_seq)
 
     def plan(self, scheduler: Scheduler, token_budget: int | None) -> dict[str, int]:
-        self._t_plan = time.perf_counter()
+        self._t_plan = t = time.perf_counter()
+        end, self._t_end = self._t_end, None
+        # back to back: a sequence the last step decoded is still running, so the engine had unfinished work and did
+        # not wait for input in between (the core process blocks only when it has none): the time since then is
+        # this step's overhead. After an idle wait (or an empty step) the gap is not known (the EMA stands in)
+        self._gap = (t - end if end is not None and any(r.request_id in self._end_ids for r in scheduler.running)
+                     else None)
         self._shape = None
         self._guard_step = None
         self._step_accepted = 0
@@ -240,11 +264,18 @@ class SpecDecoder:
         every new request pays one: a cost of the cap, not noise) and steps with a prefill chunk, less the
         chunk's share (seconds per prefill token measured on k = 0 steps)."""
         gs = self._guard_step
+        now = time.perf_counter()
+        self._t_end = now
+        self._end_ids = frozenset(s.request_id for s in sched.seqs)
+        self._step_gap = self._count_gap(now - self._t_plan)
         if self._trace is not None:
             self._write_trace(sched)
         if gs is None:
             return
-        seconds = time.perf_counter() - self._t_plan
+        # the step's cost is its whole period: plan .. postprocess, plus its share of the time between steps (per
+        # step, whatever k: leaving it out made every step look cheaper by it and favoured short drafts, session 21:
+        # 0.2 ms of ~1 ms at batch 1, 1.1-1.8 ms of 3.7-13 ms at 32 sequences, through the server)
+        seconds = now - self._t_plan + self._step_gap
         decodes, prefill = 0, 0
         counts = []  # per decode: (drafted, accepted), for the guard's content-matched comparison
         for s in sched.seqs:
@@ -273,11 +304,23 @@ class SpecDecoder:
         if self._shape is not None and not prefill:
             self.cost.observe(*self._shape, seconds)
 
+    def _count_gap(self, step_s: float) -> float:
+        """The time between steps counted for this step: the measured gap before it (at most GAP_OUTLIER x the
+        EMA of those counted; the first, GAP_OUTLIER x the step's own seconds), else the EMA (0 before any)."""
+        g, ema = self._gap, self.gap_s
+        if not self.count_gap:
+            return 0.0
+        if g is None:
+            return ema or 0.0
+        g = min(g, GAP_OUTLIER * (ema if ema is not None else step_s))
+        self.gap_s = g if ema is None else 0.9 * ema + 0.1 * g
+        return g
+
     def _write_trace(self, sched: SchedulerOutput) -> None:
-        now = time.perf_counter()
+        now = self._t_end
         gs = self._guard_step
         n = gs[0] if gs is not None else 0
-        rec = {"t": now, "s": now - self._t_plan, "n": n, "seqs": len(sched.seqs),
+        rec = {"t": now, "s": now - self._t_plan, "gap": self._step_gap, "n": n, "seqs": len(sched.seqs),
                "prefill": sum(len(s.token_ids) for s in sched.seqs
                               if not (s.num_spec_slots or (len(s.token_ids) == 1 and s.num_logits))),
                "k": gs[1] if gs is not None else 0, "spec": sum(1 for s in sched.seqs if s.num_spec_slots),
