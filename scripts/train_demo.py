@@ -42,7 +42,8 @@ VOCAB = 4096
 TARGET = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4)
 DRAFT = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
-SAMPLE_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:", "    def __init__(self"]
+# the README's three prompts, then two more
+SAMPLE_PROMPTS = ["def fibonacci(n):", "import os\n", "def add(a, b):", "class Stack:", "    def __init__(self"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -19,8 +19,10 @@ DEMO, DRAFT = SHIPPED_MODELS_DIR / "demo", SHIPPED_MODELS_DIR / "demo-draft"
 FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
          "training_summary.json"]
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\nclass Stack:\n    def __init__(self"]
-# the repetition check (docs/demo_model.md): distinct 4-grams over 64 greedy tokens of train_demo.SAMPLE_PROMPTS
-MIN_DISTINCT_MEAN, MIN_DISTINCT_EACH = 0.6, 0.35
+# the repetition check (docs/demo_model.md): distinct 4-grams over 64 greedy tokens of train_demo.SAMPLE_PROMPTS (the
+# README's three prompts and two more). The pair shipped since session 21 scores 0.94 mean, 0.79 the lowest (bf16 and
+# fp32); the one before it (session 19) 0.73 mean with `def add(a, b):` at 0.54 (`# The cc is no c is no c is...`)
+MIN_DISTINCT_MEAN, MIN_DISTINCT_EACH = 0.8, 0.6
 
 
 def hf_model(path: Path):
@@ -127,8 +129,8 @@ def test_distinct_ngram_ratio():
 def test_greedy_continuations_are_not_degenerate_repetition():
     """Issue 13 item 6: the demo target's greedy continuations of the README's prompts (and the other sample
     prompts) do not fall into a loop: distinct 4-grams over the first 64 greedy tokens, by tokenmill as served
-    (bf16), and the training summary's HF fp32 figure, both over the bar. The pair shipped before the
-    retraining scored 0.24 mean here (`import os` -> ` os.path.path.path...`: 0.05)."""
+    (bf16), and the training summary's HF fp32 figure, both over the bar. The first shipped pair scored 0.24 mean
+    here (`import os` -> ` os.path.path.path...`: 0.05), session 19's 0.73 (`a string or a string or ...`)."""
     from tokenmill import LLM, SamplingParams
 
     td = load_train_demo()
