@@ -135,7 +135,7 @@ def test_auto_ngram_scores_shadow_proposals_while_off(greedy_reference, monkeypa
     # per request, the scores in order (an empty lookup drafts nothing: no acceptance observation)
     assert calls == {rid: [c for c in cs if c[0]] for rid, cs in ref.items() if any(c[0] for c in cs)}
     drafted = [c for cs in ref.values() for c in cs if c[0]]
-    assert len(drafted) > 20 and sum(a for _k, a in drafted) > 0  # the lookup matched somewhere: not vacuous
+    assert len(drafted) >= 10 and sum(a for _k, a in drafted) > 0  # the lookup matched somewhere: not vacuous
     assert (spec.num_shadow, spec.num_shadow_drafts, spec.num_shadow_accepted) == (
         len(drafted), sum(k for k, _a in drafted), sum(a for _k, a in drafted))
     st = llm.engine.stats().spec
@@ -299,10 +299,11 @@ def _exact_joint(prompt_ids, top_k):
 @pytest.mark.parametrize("proposer", ["demo-draft", "ngram"])
 def test_sampled_output_matches_target_distribution(proposer):
     """Chi-square at fixed seeds: 3-token continuations sampled with speculation (k=2) against the target's
-    exact joint distribution (top_k=3, temperature 1). The prompt repeats a function the demo target copies from
-    (its first token is the copy ` height` with p ~0.6 of the top 3), so n-gram proposals are drafted after it,
-    accepted and rejected, and not drafted after the other two."""
-    prompt = "def area(width, height):\n    return width * height\n\ndef area(width, height):\n    return width *"
+    exact joint distribution (top_k=3, temperature 1). The prompt repeats a line the demo target copies from
+    (its first token is the copy ` name` with p ~0.55 of the top 3), so n-gram proposals are drafted after it,
+    accepted and rejected. (Session 19's target copied `return width * height` of a two-line function here; the
+    session-21 target, trained against repeating itself after short prompts, does not: ` #` 0.58.)"""
+    prompt = "import os\nimport sys\n\npath = os.path.join(base, name)\nfull = os.path.join(base, name)\nother = os.path.join(base,"
     llm = LLM("demo", kv_cache_bytes="32MiB", dtype="float32", speculative_model=proposer, num_speculative_tokens=2)
     ids = llm.tokenizer.encode(prompt)
     joint = _exact_joint(ids, 3)

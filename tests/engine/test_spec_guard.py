@@ -560,7 +560,7 @@ def test_observe_shadow_table_matches_a_hand_computation():
         g.observe_shadow(2, [(5, 1)])  # more drafts than k_max
     g.buckets[bucket(2)].cur = 2  # a speculating bucket keeps the table (it prices the caps above the running one)
     g.observe_shadow(2, [(4, 4)])
-    assert sh[4][2] == 2 and sh[4][0] == pytest.approx(0.95 * 4 + 5)
+    assert sh[4][2] == 2 and sh[4][0] == pytest.approx(g.cfg.content_decay * 4 + 5)
 
 
 @pytest.mark.parametrize("stall_at", [0, 1, 2, 5])

@@ -15,6 +15,7 @@ When speculation is off the engine holds no SpecDecoder and its step is unchange
 from __future__ import annotations
 
 
+import dataclasses
 import json
 import os
 import time
@@ -44,6 +45,25 @@ GAP_OUTLIER = 4.0
 # the demo pair on the 2-core dev box, whole engine steps; measurements replace it within a few steps
 PRIOR_DRAFT = (8e-4, 1e-4, 5e-5, 2.5e-4, 3e-5)
 PRIOR_NGRAM = (8e-4, 1e-4, 5e-5, 5e-6, 2e-5)
+
+
+def guard_config(max_k: int) -> GuardConfig:
+    """The guard's config for `auto`: k_max = the largest k; diagnostics: TOKENMILL_SPEC_GUARD="FIELD=VALUE,..."
+    overrides GuardConfig fields (an A/B of a guard parameter through the server in one run); a field it does not
+    have or a value of the wrong type is an error naming it."""
+    over = {}
+    env = os.environ.get("TOKENMILL_SPEC_GUARD", "")
+    fields = {f.name: f.type for f in dataclasses.fields(GuardConfig)}
+    for item in filter(None, (x.strip() for x in env.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or name not in fields or name == "k_max":
+            raise ValueError(f"TOKENMILL_SPEC_GUARD: {item!r} is not FIELD=VALUE with FIELD one of "
+                             f"{', '.join(n for n in fields if n != 'k_max')}")
+        try:
+            over[name] = int(value) if fields[name] in (int, "int") else float(value)
+        except ValueError:
+            raise ValueError(f"TOKENMILL_SPEC_GUARD: {name}={value!r} is not a number") from None
+    return GuardConfig(k_max=max_k, **over)
 
 
 class SpecDecoder:
@@ -79,7 +99,7 @@ class SpecDecoder:
         self.num_plans = 0
         # auto: the cap on k per batch-size bucket by measured tokens/s (0 = off), so a wrong cost model
         # cannot keep speculation below off (spec/guard.py); None for a fixed k
-        self.guard = GoodputGuard(GuardConfig(k_max=max_k)) if self.auto else None
+        self.guard = GoodputGuard(guard_config(max_k)) if self.auto else None
         self._guard_step: tuple[int, int] | None = None  # this decode step's (decoding seqs, cap or fixed k)
         # seconds per prefill token of the target (an EMA over k = 0 steps with a prefill chunk: their excess over
         # the guard's measured decode-only step at that batch size): a chunk's share of a mixed step, taken out

@@ -111,6 +111,11 @@ class GuardConfig:
     min_samples: int = 8  # steps an arm needs before it can win or lose a comparison
     margin: float = 0.03  # a challenger must beat the current arm's measured rate by this (relative)
     decay: float = 0.95  # EMA weight of an arm's history per new observation of that arm
+    # EMA weight per step of the content tables (the tokens each cap would have emitted: cf windows, shadow): the
+    # content a switch is judged on (~20 steps). A longer memory was tried against the batch-1 switches k = 8 -> off
+    # on a fresh stretch of code seen in a served trace (session 21): 0.98 measured no better through the server
+    # (c = 1: 2.28x vs 2.31x of off; c = 8: 1.45x vs 1.47x), 0.97 oscillated in the steady-content test
+    content_decay: float = 0.95
     settle: int = 2  # steps after a change of k that are not recorded (a draft's catch-up, new row counts)
     outlier: float = 4.0  # a step longer than this many times the arm's mean step counts as that long
     # probe cost amortisation: what a probe measurably cost (its steps and the `settle` steps after it, against
@@ -126,8 +131,10 @@ class GuardConfig:
                 or self.max_probe_every_shadow < self.max_probe_every):
             raise ValueError("guard needs probe_every >= 1, max_probe_every >= probe_every, "
                              "max_probe_every_shadow >= max_probe_every, probe_len >= 1")
-        if self.min_samples < 1 or self.margin < 0 or not 0 < self.decay < 1 or self.outlier <= 1:
-            raise ValueError("guard needs min_samples >= 1, margin >= 0, decay in (0, 1), outlier > 1")
+        if (self.min_samples < 1 or self.margin < 0 or not 0 < self.decay < 1 or not 0 < self.content_decay < 1
+                or self.outlier <= 1):
+            raise ValueError("guard needs min_samples >= 1, margin >= 0, decay and content_decay in (0, 1), "
+                             "outlier > 1")
         if not 0 < self.explore_budget < 1 or self.max_amortised_every < self.max_probe_every:
             raise ValueError("guard needs explore_budget in (0, 1) and max_amortised_every >= max_probe_every")
 
@@ -434,7 +441,7 @@ class GoodputGuard:
         the tokens it emitted and the sequence-steps K' would have needed for them (module docstring)."""
         if cap <= 0:
             return
-        d = self.cfg.decay
+        d = self.cfg.content_decay
         emitted = [a + 1 for _k, a in seqs]
         tokens = float(sum(emitted))
         need = [sum(e / (min(a, kk) + 1) for e, (_k, a) in zip(emitted, seqs)) for kk in range(cap + 1)]
@@ -467,7 +474,7 @@ class GoodputGuard:
         for k, a in seqs:
             if not 0 <= a <= k <= k_max:
                 raise ValueError(f"guard observe_shadow: accepted {a} / drafted {k} outside 0 <= a <= k <= {k_max}")
-        d = self.cfg.decay
+        d = self.cfg.content_decay
         emitted = [a + 1 for _k, a in seqs]
         tokens = float(sum(emitted))
         if b.shadow is None:
