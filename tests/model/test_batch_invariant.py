@@ -118,3 +118,16 @@ def test_amx_switch_and_row_limit():
     out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "TOKENMILL_AMX": "yes"},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "TOKENMILL_AMX" in out.stderr
+
+
+def test_linear_rows_bf16_keeps_denormal_outputs_as_linear_small_does():
+    """The 4x4 tile's vector epilogue (vcvtneps2bf16 flushes denormals) hands denormal sums to the scalar
+    conversion: zero weights and a denormal bias give the bias back, the bits linear_small gives."""
+    n, k = 64, 64
+    w = torch.zeros(n, k, dtype=torch.bfloat16)
+    b = torch.full((n,), 1e-39).bfloat16()
+    assert 0 < b[0].float().abs() < torch.finfo(torch.float32).tiny  # a denormal
+    x = torch.randn(16, k).bfloat16()
+    y = torch.empty(16, n, dtype=torch.bfloat16)
+    assert get_kernels().linear_rows_bf16(y, x, w, b)
+    assert torch.equal(y, _small_rows(w, x, b)) and torch.equal(y, b.expand(16, n))

@@ -98,6 +98,16 @@ def test_fused_decode_equals_the_module_path(tiny_dir, dtype, quant, kv):
 
 
 @needs_bf16
+def test_fused_decode_equals_the_module_path_without_batch_invariance(tiny_dir):
+    """bf16 engines are batch-invariant by default (every step under small_row_bits); off, the stack's > 8-row
+    linears take oneDNN (AMX: above amx_rows), and the module path must give the same bits there too."""
+    llm = LLM(str(tiny_dir), dtype="bfloat16", kv_cache_bytes="8MiB", batch_invariant="off")
+    assert not llm.engine.batch_invariant
+    _compare(llm, PROMPTS, exact=True)
+    _compare(llm, MANY, exact=True)
+
+
+@needs_bf16
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama3", "tiny-mistral"])
 def test_fused_decode_on_other_architectures(model_dir, preset):
     """qkv bias (qwen2), llama3 rope and tied head, one kv head of 32 dims (mistral)."""
@@ -175,27 +185,30 @@ def test_fused_decode_off_by_env(monkeypatch, tiny_dir):
 
 
 @needs_bf16
-def test_verify_steps_that_need_small_row_bits_skip_the_fused_stack():
-    """A bf16 verify step of 4 sequences x (1 + 4 drafts) = 20 rows stands for a 4-row decode step: its rows must
-    get the small-row kernels' bits (linear.small_row_bits), which the fused stack's > 8-row oneDNN path would not
-    give. So under that context the stack takes no step of more than 8 rows; smaller steps still run fused, and
-    the output is token for token speculation off. On AMX the small-row kernel takes up to amx_rows() (256) rows
-    in the stack too: there 60 sequences x 5 rows = 300 rows stand for a 60-row step, and the stack's limit is 256."""
+def test_verify_steps_that_need_small_row_bits_run_fused_with_those_bits():
+    """Without batch invariance (`batch_invariant="off"`), a bf16 verify step of 4 sequences x (1 + 4 drafts) = 20
+    rows stands for a 4-row decode step: its rows must get the small-row kernels' bits (linear.small_row_bits),
+    which the fused stack's > 8-row oneDNN path would not give. The stack's C++ linears follow that context
+    (`set_small_row_bits`, session 22; before, the stack stepped aside for such steps), so it runs them, and the
+    output is token for token speculation off. On AMX the small-row kernel takes up to amx_rows() (256) rows: there
+    160 sequences x ~2.5 rows stand for a 160-row step, and the stack's limit is 256."""
     from tokenmill.model.linear import small_row_bits_on
 
     prompts = [[3, 4, 5, 6] * 4, [9, 10, 11] * 5, [20, 21] * 7, [7, 8, 9, 10, 11] * 3]  # repetitive: n-gram drafts
-    probe = LLM("demo", kv_cache_bytes="32MiB", dtype="bfloat16")
+    probe = LLM("demo", kv_cache_bytes="32MiB", dtype="bfloat16", batch_invariant="off")
     limit = probe.engine.runner.model.fused.bits_rows
     assert probe.engine.runner.small_rows == limit  # the runner's rule and the stack's agree
+    assert hasattr(probe.engine.runner.model.fused.kernels, "set_small_row_bits")
     if limit > 8:  # AMX: more sequences, so that a verify step passes the stack's limit while its decode rows do not
         prompts = [[(t + i) % 200 + 3 for t in p] for i in range(40) for p in prompts]  # 160 (~2.5 rows each)
         assert limit >= len(prompts)
     # 48 tokens: the session-21 demo target seldom continues these patterns at once (with 24, no AMX verify step
     # passed the limit); later in the output its own text repeats and the lookups draft
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    off = LLM("demo", kv_cache_bytes="32MiB", dtype="bfloat16")
+    off = LLM("demo", kv_cache_bytes="32MiB", dtype="bfloat16", batch_invariant="off")
     ref = [r.outputs[0].token_ids for r in off.generate(prompts, params)]
-    llm = LLM("demo", kv_cache_bytes="32MiB", dtype="bfloat16", speculative_model="ngram", num_speculative_tokens=4)
+    llm = LLM("demo", kv_cache_bytes="32MiB", dtype="bfloat16", speculative_model="ngram", num_speculative_tokens=4,
+              batch_invariant="off")
     model = llm.engine.runner.model
     seen = {"big_small_bits": 0, "big_fused_small_bits": 0}
 
@@ -211,6 +224,6 @@ def test_verify_steps_that_need_small_row_bits_skip_the_fused_stack():
     model.fused = watching
     got = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
     assert seen["big_small_bits"] > 0, "no verify step needed the small-row bits: the test checks nothing"
-    assert seen["big_fused_small_bits"] == 0
+    assert seen["big_fused_small_bits"] == seen["big_small_bits"]  # the stack ran every one of them
     assert watching.calls > 0  # the draft-free and small steps still take the fused stack
     assert got == ref

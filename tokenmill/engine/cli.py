@@ -52,6 +52,11 @@ def add_engine_args(p, default_model: str = "demo") -> None:
                    help="CUDA: decode steps replayed as captured CUDA graphs, one per batch-size bucket (1, 2, 4, .. "
                         "up to min(max-num-seqs, 256, 262144 / max-model-len)): the CPU's per-op launch cost paid "
                         "once per step; not with --kv-cache-dtype int8/fp8 (default: off; not yet run on a GPU)")
+    p.add_argument("--batch-invariant", choices=("auto", "on", "strict", "off"), default="auto",
+                   help="every row of a linear gets the same bits whatever the step's row count, so greedy output "
+                        "does not depend on batching and greedy speculation equals the output without it; auto: on "
+                        "for bf16 where the engine's own any-row kernels exist (AMX, AVX-512 BF16), off for fp32; "
+                        "strict: also every prompt row attended as a decode row (prefill ~0.7x) (default: auto)")
     p.add_argument("--kv-load-timeout", type=float, default=1.0, metavar="SECONDS",
                    help="a KV tier load still running after this long is abandoned and the request recomputes "
                         "(a hung or very slow disk); default 1.0")
@@ -80,7 +85,8 @@ def engine_config_from_args(args):
                         max_waiting_requests=args.max_waiting_requests, num_threads=args.num_threads, **tiers,
                         speculative_model=args.speculative_model, num_speculative_tokens=args.num_speculative_tokens,
                         speculative_max_k=args.speculative_max_k, prompt_lookup_min=args.prompt_lookup_min,
-                        prompt_lookup_max=args.prompt_lookup_max, cuda_graphs=args.cuda_graphs)
+                        prompt_lookup_max=args.prompt_lookup_max, cuda_graphs=args.cuda_graphs,
+                        batch_invariant=args.batch_invariant)
 
 
 def add_parser(sub) -> None:

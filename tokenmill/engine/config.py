@@ -74,6 +74,18 @@ class EngineConfig:
     # CUDA: decode steps through captured CUDA graphs (engine/graphs.py); needs a CUDA device and a KV cache in the
     # model's dtype (the int8 / fp8 KV write groups its blocks on the host each step)
     cuda_graphs: bool = False
+    # Batch-invariant linears: every row of a linear gets the same bits whatever the number of rows in its step
+    # (the engine's own kernels for any row count instead of oneDNN above the small-row limit), so a request's greedy
+    # output does not depend on what else was batched with it, and greedy speculation is token for token the output
+    # without it (verify steps, preemption and the tail of a batch change the row counts). "auto": on for bf16
+    # unquantized linears where the own any-row kernel exists (AMX tiles or AVX-512 BF16; in bf16 the two kernels'
+    # last-bit differences flip near-tie argmaxes), off elsewhere (fp32: not observed to flip; int8/fp8: own
+    # kernels already); "on" / "off": forced (on with fp32: linear_small over chunks of 8 rows, slow). Attention
+    # under it: a prompt's rows with the prefill kernel (its rows' bits do not depend on the chunking), generated
+    # tokens' rows as decode rows, also when recomputed after a preemption; "strict": every row as a decode row, so
+    # also a prompt holding an earlier answer gets that answer's decode bits whether its KV was cached or evicted
+    # (prefill ~0.7x: benchmarks/batch_invariant.py)
+    batch_invariant: str = "auto"
 
     def __post_init__(self):
         self.kv_cache_bytes = parse_bytes(self.kv_cache_bytes)
@@ -113,6 +125,8 @@ class EngineConfig:
             (not self.cuda_graphs or self.kv_cache_dtype not in ("int8", "fp8", "fp8_e4m3"),
              f"cuda_graphs (--cuda-graphs) cannot capture the {self.kv_cache_dtype} KV cache's write (its blocks are "
              f"grouped on the host each step): use --kv-cache-dtype auto|bfloat16|float32"),
+            (self.batch_invariant in ("auto", "on", "strict", "off"),
+             f"batch_invariant (--batch-invariant) must be auto|on|strict|off, got {self.batch_invariant!r}"),
             (1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
              f"prompt lookup needs 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
              f"({self.prompt_lookup_max})"),

@@ -20,6 +20,7 @@ from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutp
 from tokenmill.engine.step_budget import step_composition
 from tokenmill.errors import EngineOverloadedError, InvalidRequestError, ModelLoadError
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.linear import any_row_bits_kernels
 from tokenmill.hardware import capabilities
 from tokenmill.model.loader import load_model, pick_device, pick_dtype, resolve_model_path
 from tokenmill.model.tokenizer import Tokenizer
@@ -70,6 +71,10 @@ class LLMEngine:
             raise ModelLoadError(f"cuda_graphs (--cuda-graphs) needs a CUDA device; the engine is on {self.device}")
         self.runner = ModelRunner(model, cfg, self.device, self.dtype, num_blocks, c.block_size, window,
                                   kv_dtype=self.kv_dtype, scratch_block=c.cuda_graphs)
+        self.batch_invariant = c.batch_invariant in ("on", "strict") or (
+            c.batch_invariant == "auto" and self.device.type == "cpu" and any_row_bits_kernels(model))
+        self.runner.batch_invariant = self.batch_invariant
+        self.runner.invariant_attention = "strict" if c.batch_invariant == "strict" else "on"
         if c.cuda_graphs:
             from tokenmill.engine import graphs
 

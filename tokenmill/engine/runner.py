@@ -90,6 +90,13 @@ class ModelRunner:
         # steps of at most this many rows compute every linear with the small-row kernel (8; AMX bf16: 256), so a
         # verify step whose rows without drafts are that few takes those bits for all its rows (small_row_bits)
         self.small_rows = small_row_limit(model)
+        # every step under small_row_bits (EngineConfig.batch_invariant): a row's bits do not depend on its step's
+        # row count at all, so greedy output does not depend on batching (set by the engine)
+        self.batch_invariant = False
+        # and under it, how rows attend: "on": a prompt's rows with the prefill kernel (its bits do not depend on the
+        # chunking), the generated tokens' rows as decode rows (also when recomputed after a preemption); "strict":
+        # every row as a decode row (also a prompt that holds an earlier answer whose KV was evicted: prefill ~0.7x)
+        self.invariant_attention = "on"
         # decode-only steps (one token per sequence, no drafts): inputs built in one pass, one tensor for the four
         # per-token rows (see _execute_decode); False (or TOKENMILL_DECODE_FAST_PATH=0): the general path below
         from tokenmill.model.fused_decode import fast_path_by_env
@@ -213,11 +220,16 @@ class ModelRunner:
         what it needs: greedy sampling reads bf16 logits as they are). `greedy=True` (every row will be sampled
         greedily, without logprobs): where the model's packed head applies, return each row's argmax in `tokens`
         instead of logits (the same tokens; no [rows, vocab] logits written)."""
+        # batch-invariant ("on"): a one-token prompt chunk takes the prefill kernel (the general path), as its
+        # prompt's other chunkings would
+        prompt_rows = self.batch_invariant and self.invariant_attention == "on"
         if self.decode_fast_path and sched.seqs and all(
-                len(s.token_ids) == 1 and s.num_logits == 1 and not s.num_spec_slots for s in sched.seqs):
+                len(s.token_ids) == 1 and s.num_logits == 1 and not s.num_spec_slots
+                and not (prompt_rows and s.start_pos < s.decode_from) for s in sched.seqs):
             return self._execute_decode(sched, float_logits, greedy)
         if self.decode_fast_path and sched.seqs and all(
-                len(s.token_ids) == s.num_logits and (s.num_spec_slots or len(s.token_ids) == 1) for s in sched.seqs):
+                len(s.token_ids) == s.num_logits and (s.num_spec_slots or len(s.token_ids) == 1)
+                and not (prompt_rows and not s.num_spec_slots and s.start_pos < s.decode_from) for s in sched.seqs):
             return self._execute_verify(sched, float_logits, greedy)
         bs = self.block_size
         input_ids: list[int] = []
@@ -230,6 +242,7 @@ class ModelRunner:
         logits_idx: list[int] = []
         offsets: list[int] = []
         base_rows = base_logits = 0  # rows and logit rows the step would have without speculative drafts
+        prefill = False  # a prefill chunk attended as decode rows (batch_invariant)
         for s in sched.seqs:
             q_start, n = len(input_ids), len(s.token_ids)
             input_ids.extend(s.token_ids)
@@ -238,19 +251,33 @@ class ModelRunner:
             bt = s.block_ids
             slots.extend(bt[p // bs] * bs + p % bs for p in pos)
             ctx = s.start_pos + n
-            if n == 1:
+            # batch-invariant: the prompt's rows (before decode_from) with the prefill kernel, even one alone ("on"),
+            # the generated tokens' rows as decode rows, as they were first computed; "strict": all as decode rows
+            if s.num_spec_slots or (self.batch_invariant and self.invariant_attention == "strict"):
+                n_span = 0
+            elif self.batch_invariant:
+                n_span = min(n, max(0, s.decode_from - s.start_pos))
+            else:
+                n_span = n if n > 1 else 0
+            if n_span:
+                c = s.start_pos + n_span
+                spans.append(SeqSpan(q_start, n_span, c, self._tensor(bt[: -(-c // bs)])))
+            if n == 1 and not n_span:
                 dec_idx.append(q_start)
                 dec_tables.append(bt[: -(-ctx // bs)])
                 dec_lens.append(ctx)
-            elif s.num_spec_slots:  # speculative verification: each token attends like a decode (KV is written first)
-                base_rows, base_logits = base_rows + 1, base_logits + 1
-                for j in range(n):
+            elif n > n_span:
+                # speculative verification: each token attends like a decode (KV is written first); so do the rows of
+                # a batch-invariant prefill chunk past the prompt (a recompute after a preemption) or ("strict") all
+                if s.num_spec_slots:
+                    base_rows, base_logits = base_rows + 1, base_logits + 1
+                else:
+                    prefill = True
+                for j in range(n_span, n):
                     c = s.start_pos + j + 1
                     dec_idx.append(q_start + j)
                     dec_tables.append(bt[: -(-c // bs)])
                     dec_lens.append(c)
-            else:
-                spans.append(SeqSpan(q_start, n, ctx, self._tensor(bt[: -(-ctx // bs)])))
             if n == 1 or not s.num_spec_slots:
                 base_rows, base_logits = base_rows + n, base_logits + s.num_logits
             offsets.append(len(logits_idx))
@@ -265,12 +292,12 @@ class ModelRunner:
             meta.decode_token_idx = self._tensor(dec_idx)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in dec_tables])
             meta.decode_ctx_lens = self._tensor(dec_lens)
-        if self.prune_rows and spans and len(logits_idx) < len(input_ids):  # a prefill step: its last layer computes only sampled rows
+        if self.prune_rows and (spans or prefill) and len(logits_idx) < len(input_ids):  # a prefill step: its last layer computes only sampled rows
             meta.logits_rows = self._tensor(logits_idx)
         # verify rows get the linear kernels' bits of the step without drafts (lossless greedy in bf16: see
         # linear.small_row_bits); a step without drafts is unchanged
         small = self.small_rows
-        with small_row_bits(base_rows <= small < len(input_ids)):
+        with small_row_bits(self.batch_invariant or base_rows <= small < len(input_ids)):
             hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta)
         if not logits_idx:
             return ModelOutput(torch.empty(0, self.cfg.vocab_size), offsets)
@@ -282,7 +309,7 @@ class ModelRunner:
             tokens = self.model.greedy_tokens(hidden)  # the packed head is batch-invariant: no small_row_bits
             if tokens is not None:
                 return ModelOutput(hidden.new_empty(0, self.cfg.vocab_size), offsets, tokens)
-        with small_row_bits(base_logits <= small < len(logits_idx)):
+        with small_row_bits(self.batch_invariant or base_logits <= small < len(logits_idx)):
             logits = self.model.compute_logits(hidden, float32=float_logits)
         return ModelOutput(logits, offsets)
 
@@ -305,8 +332,9 @@ class ModelRunner:
             hidden = self.graphs.run(ids, pos, slots, ctx, tables)
             return self._decode_output(hidden, n, float_logits, greedy)
         rows, meta = self._decode_rows(ids, pos, slots, ctx, tables)
-        hidden = self.model(rows[0], rows[1], self.kv_caches, meta)
-        return self._decode_output(hidden, n, float_logits, greedy)
+        with small_row_bits(self.batch_invariant):
+            hidden = self.model(rows[0], rows[1], self.kv_caches, meta)
+            return self._decode_output(hidden, n, float_logits, greedy)
 
     def _decode_rows(self, ids: list[int], pos: list[int], slots: list[int], ctx: list[int],
                      tables: list[list[int]]) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -353,7 +381,7 @@ class ModelRunner:
         n = len(ids)
         rows, meta = self._decode_rows(ids, pos, slots, ctx, tables)
         # as the general path: the rows without drafts are one per sequence (lossless greedy in bf16: small_row_bits)
-        bits = len(sched.seqs) <= self.small_rows < n
+        bits = self.batch_invariant or len(sched.seqs) <= self.small_rows < n
         with small_row_bits(bits):
             hidden = self.model(rows[0], rows[1], self.kv_caches, meta)
         if greedy:

@@ -53,6 +53,11 @@ class ScheduledSeq:
     num_logits: int
     num_spec_slots: int = 0  # speculative decoding: KV slots reserved after token_ids for drafts the engine appends
     # (> 0: the runner attends each of the seq's tokens as a decode query, the decode kernel's path)
+    # positions from here on are the request's generated tokens, first computed as decode (or verify) rows: a
+    # batch-invariant runner attends them so when they are recomputed (after a preemption), and the prompt's rows
+    # with the prefill kernel even one at a time (runner.batch_invariant); default 0: every row a generated one
+    # (a batch-invariant runner attends them all as decode rows; without batch invariance it is not read)
+    decode_from: int = 0
 
 
 @dataclass
@@ -249,6 +254,7 @@ class Scheduler:
             start_pos=start,
             block_ids=self.kv.block_ids(req),
             num_logits=1 if end == req.num_tokens else 0,
+            decode_from=req.num_prompt_tokens,
         ))
         req.num_computed_tokens = end
 

@@ -42,7 +42,7 @@ class Scorer:
             if not self.kv.allocate_slots(req, start, n):
                 raise RuntimeError("scorer KV pool too small for this step")
             seqs.append(ScheduledSeq(req.request_id, req.all_token_ids[start:start + n], start,
-                                     self.kv.block_ids(req), num_logits=n))
+                                     self.kv.block_ids(req), num_logits=n, decode_from=req.num_prompt_tokens))
             req.num_computed_tokens += n
         out = self.runner.execute(SchedulerOutput(seqs))
         return [out.logits[o:o + s.num_logits] for o, s in zip(out.logit_offsets, seqs)]

@@ -150,8 +150,8 @@ class FusedDecodeStack:
         """This step is one the fused path runs: all tokens decode-style, at most `max_tokens` of them, x in a
         dtype the kernels take."""
         t = x.shape[0]
-        if t > self.bits_rows and small_row_bits_on():  # a verify step that must get the small-row kernels' bits:
-            return False  # more rows would take oneDNN here; the modules honour linear.small_row_bits
+        if t > self.bits_rows and small_row_bits_on() and not hasattr(self.kernels, "set_small_row_bits"):
+            return False  # kernels without the C++ mirror of linear.small_row_bits: the modules honour it
         return (0 < t <= self.max_tokens and not meta.spans and meta.decode_token_idx is not None
                 and meta.decode_token_idx.shape[0] == t and x.is_contiguous())
 

@@ -51,8 +51,8 @@ class FusedMixedStack:
         t = x.shape[0]
         if not meta.spans or not x.is_contiguous() or t > self.stack.max_tokens or not _prefill_on():
             return False
-        if t > self.stack.bits_rows and small_row_bits_on():  # rows that must get the small-row kernels' bits: the modules
-            return False
+        if t > self.stack.bits_rows and small_row_bits_on() and not hasattr(self.stack.kernels, "set_small_row_bits"):
+            return False  # kernels without the C++ mirror of linear.small_row_bits: the modules honour it
         dec = meta.decode_token_idx
         return dec is None or dec.shape[0] + sum(s.q_len for s in meta.spans) == t
 

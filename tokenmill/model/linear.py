@@ -46,10 +46,16 @@ def small_row_bits(on: bool):
         return
     prev = _SMALL_BITS[0]
     _SMALL_BITS[0] = True
+    k = get_kernels()
+    mirror = getattr(k, "set_small_row_bits", None)  # the fused stacks' C++ linears (any_linear) follow it
+    if mirror is not None:
+        mirror(True)
     try:
         yield
     finally:
         _SMALL_BITS[0] = prev
+        if mirror is not None:
+            mirror(prev)
 
 
 class LinearMethod:
@@ -182,6 +188,17 @@ def small_row_limit(module: nn.Module) -> int:
               and lin.packed.small is not None else PackedWeight.SMALL_ROWS
               for lin in module.modules() if isinstance(lin, Linear)]
     return min(limits, default=PackedWeight.SMALL_ROWS)
+
+
+def any_row_bits_kernels(module: nn.Module) -> bool:
+    """True where every Linear in `module` is a bf16 PackedWeight with a kernel of the engine's own that computes any
+    number of rows with the small-row bits in one pass (AMX tiles, or `linear_rows_bf16` on AVX-512 BF16): there
+    `small_row_bits(True)` on every step (EngineConfig.batch_invariant) costs little (benchmarks/batch_invariant.py)."""
+    lins = [lin for lin in module.modules() if isinstance(lin, Linear)]
+    return bool(lins) and all(
+        isinstance(getattr(lin, "packed", None), PackedWeight) and lin.packed.weight.dtype == torch.bfloat16
+        and lin.packed.small is not None and (lin.packed.amx is not None or lin.packed.rows_bf16 is not None)
+        for lin in lins)
 
 
 class UnquantizedLinearMethod(LinearMethod):

@@ -1300,7 +1300,7 @@ static inline void linear_rows_tile(const at::BFloat16* xp, const at::BFloat16* 
   if constexpr (MT == 4 && RT == 4) {
     // the 16 horizontal sums at once, in _mm512_reduce_add_ps's own tree (halves 256 + 256, then 128 + 128,
     // then lanes (0+2, 1+3), then 0 + 1; float addition commutes, so only the pairing matters)
-    float sums[4][16];
+    __m512 tv[4];
     for (int r = 0; r < 4; ++r) {
       __m512 s2[2];
       for (int p = 0; p < 2; ++p) {  // [a_m.lo256 + a_m.hi256, a_m+1.lo256 + a_m+1.hi256]
@@ -1311,11 +1311,31 @@ static inline void linear_rows_tile(const at::BFloat16* xp, const at::BFloat16* 
       __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], 0x88), _mm512_shuffle_f32x4(s2[0], s2[1], 0xDD));
       t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));  // lanes (0 + 2, 1 + 3) of each 128-bit block
       t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));  // lane 0 + lane 1
-      _mm512_storeu_ps(sums[r], t);
+      tv[r] = t;
     }
-    for (int r = 0; r < 4; ++r)
+    // lane 4m + r <- weight row r's sum for x row m (lane 4m of tv[r]); + bias (0.f without: as the scalar
+    // epilogue, so -0 sums become +0), rounded to bf16 in one instruction, each x row's 4 outputs one 8-byte store
+    const __m512i base4 = _mm512_set_epi32(12, 12, 12, 12, 8, 8, 8, 8, 4, 4, 4, 4, 0, 0, 0, 0);
+    __m512 u = tv[0];
+    u = _mm512_mask_permutexvar_ps(u, 0x2222, base4, tv[1]);
+    u = _mm512_mask_permutexvar_ps(u, 0x4444, base4, tv[2]);
+    u = _mm512_mask_permutexvar_ps(u, 0x8888, base4, tv[3]);
+    const __m128 b4 = bp ? _mm_set_ps(to_f(bp[n + 3]), to_f(bp[n + 2]), to_f(bp[n + 1]), to_f(bp[n])) : _mm_setzero_ps();
+    u = _mm512_add_ps(u, _mm512_broadcast_f32x4(b4));
+    // vcvtneps2bf16 flushes denormal inputs to zero where at::BFloat16 keeps them: such a tile (never seen in a
+    // model; |y| < 1.2e-38) takes the scalar conversion, so the bits stay linear_small's
+    const __m512 mag = _mm512_abs_ps(u);
+    if (_mm512_cmp_ps_mask(mag, _mm512_set1_ps(std::numeric_limits<float>::min()), _CMP_LT_OQ) &
+        _mm512_cmp_ps_mask(mag, _mm512_setzero_ps(), _CMP_GT_OQ)) {
+      float sums[16];
+      _mm512_storeu_ps(sums, u);
       for (int m = 0; m < 4; ++m)
-        op[(m0 + m) * N + n + r] = at::BFloat16(sums[r][4 * m] + (bp ? to_f(bp[n + r]) : 0.f));
+        for (int r = 0; r < 4; ++r) op[(m0 + m) * N + n + r] = at::BFloat16(sums[4 * m + r]);
+      return;
+    }
+    alignas(32) uint64_t packed[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(packed), (__m256i)_mm512_cvtneps_pbh(u));
+    for (int m = 0; m < 4; ++m) std::memcpy(op + (m0 + m) * N + n, &packed[m], 8);
     return;
   }
   for (int r = 0; r < RT; ++r)
@@ -1325,8 +1345,7 @@ static inline void linear_rows_tile(const at::BFloat16* xp, const at::BFloat16* 
 
 template <int RT>
 static inline void linear_rows_strip(const at::BFloat16* xp, const at::BFloat16* wp, at::BFloat16* op,
-                                     const at::BFloat16* bp, int64_t M, int64_t K, int64_t N, int64_t n) {
-  int64_t m = 0;
+                                     const at::BFloat16* bp, int64_t m, int64_t M, int64_t K, int64_t N, int64_t n) {
   for (; m + 4 <= M; m += 4) linear_rows_tile<4, RT>(xp, wp, op, bp, K, N, m, n);
   switch (M - m) {
     case 3: linear_rows_tile<3, RT>(xp, wp, op, bp, K, N, m, n); break;
@@ -1354,14 +1373,27 @@ bool linear_rows_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor w, c10::
   const at::BFloat16* bp = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
   // rows of W in strips of 4 (kept in L1 while every x row passes), the x rows in tiles of 4; parallel over W
   const int64_t strips = (N + 3) / 4;
-  at::parallel_for(0, strips, std::max<int64_t>(1, 4096 / std::max<int64_t>(M, 1)), [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t n = s * 4;
-      switch (std::min<int64_t>(4, N - n)) {
-        case 4: linear_rows_strip<4>(xp, wp, op, bp, M, K, N, n); break;
-        case 3: linear_rows_strip<3>(xp, wp, op, bp, M, K, N, n); break;
-        case 2: linear_rows_strip<2>(xp, wp, op, bp, M, K, N, n); break;
-        default: linear_rows_strip<1>(xp, wp, op, bp, M, K, N, n); break;
+  // grain: ~4096 rows x strips of work per task, but at least two tasks per thread (a 256-wide output at 64 rows
+  // was one task: one thread)
+  const int64_t grain = std::max<int64_t>(
+      1, std::min<int64_t>(4096 / std::max<int64_t>(M, 1), strips / (2 * std::max<int64_t>(1, at::get_num_threads()))));
+  // x rows in blocks of ~16 KB (kept in L1 while the task's strips pass; a multiple of the 4-row tile), so x is
+  // read from L2 once per block instead of once per strip; only which sums run together changes, not any order
+  const int64_t mb = std::max<int64_t>(4, (16384 / (2 * K)) / 4 * 4);
+  // and the task's strips in groups of ~256 KB of W (kept in L2 while every x block passes)
+  const int64_t nb = std::max<int64_t>(1, 32768 / K);
+  at::parallel_for(0, strips, grain, [&](int64_t s0, int64_t s1) {
+    for (int64_t sb = s0; sb < s1; sb += nb)
+    for (int64_t m0 = 0; m0 < M; m0 += mb) {
+      const int64_t m1 = std::min<int64_t>(M, m0 + mb);
+      for (int64_t s = sb; s < std::min<int64_t>(s1, sb + nb); ++s) {
+        const int64_t n = s * 4;
+        switch (std::min<int64_t>(4, N - n)) {
+          case 4: linear_rows_strip<4>(xp, wp, op, bp, m0, m1, K, N, n); break;
+          case 3: linear_rows_strip<3>(xp, wp, op, bp, m0, m1, K, N, n); break;
+          case 2: linear_rows_strip<2>(xp, wp, op, bp, m0, m1, K, N, n); break;
+          default: linear_rows_strip<1>(xp, wp, op, bp, m0, m1, K, N, n); break;
+        }
       }
     }
   });
@@ -1663,11 +1695,26 @@ static torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& 
 bool linear_amx_bf16(torch::Tensor out, torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 int64_t amx_rows();
 
+// linear.small_row_bits(True) mirrored here (set_small_row_bits): the fused stacks' plain (kind 0) linears give
+// every row of a step of any size the small-row kernel's bits, as PackedWeight does under that context
+static std::atomic<bool> g_small_row_bits{false};
+void set_small_row_bits(bool on) { g_small_row_bits.store(on, std::memory_order_relaxed); }
+
 // the Linear modules' kernel choice per row count; shared by both fused stacks (mixed_stack.cpp declares it)
 torch::Tensor any_linear(const torch::Tensor& x, const std::vector<torch::Tensor>& w, int64_t base, int64_t kind,
                          int64_t n_out) {
   const int64_t T = x.size(0);
   const auto& bias = w[base + 3];
+  if (kind == 0 && T > 8 && g_small_row_bits.load(std::memory_order_relaxed)) {  // PackedWeight.small_bits's order
+    auto out = at::empty({T, n_out}, x.options());
+    if (w[base + 1].numel() > 0 && linear_amx_bf16(out, x, w[base + 1], opt(bias))) return out;
+    if (linear_rows_bf16(out, x, w[base], opt(bias))) return out;
+    for (int64_t i = 0; i < T; i += 8) {
+      const int64_t n = std::min<int64_t>(8, T - i);
+      linear_small(out.narrow(0, i, n), x.narrow(0, i, n).contiguous(), w[base], opt(bias));
+    }
+    return out;
+  }
   if (kind == 0 && w[base + 1].numel() > 0 && T <= amx_rows()) {  // bf16 on AMX where PackedWeight packed it (slot 1)
     auto out = at::empty({T, n_out}, x.options());
     if (linear_amx_bf16(out, x, w[base + 1], opt(bias))) return out;
@@ -1846,6 +1893,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_int8", &write_kv_int8, "quantize this step's K/V into an int8 cache (per-(block, head) scales)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally adding a residual in place first (CPU, fp32/bf16)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from the fused gate_up projection (CPU, fp32/bf16)");
+  m.def("set_small_row_bits", &set_small_row_bits, "the fused stacks' plain linears: small-row bits for any rows "
+        "(linear.small_row_bits mirrors its state here)");
   m.def("linear_rows_bf16", &linear_rows_bf16, "batch-invariant bf16 y = x W^T (+ b), any rows: each row's bits as "
         "linear_small's (AVX-512 BF16; False where it does not apply)");
   m.def("onednn_rows", &onednn_rows, "the row count a oneDNN linear of m rows runs at (row_buckets.onednn_rows)");
