@@ -176,6 +176,33 @@ def test_guard_from_off_measures_the_whole_ladder_before_switching():
     assert len(tail) / sum(1 / rates[c] for c in tail) >= 0.95 * rates[4]
 
 
+def test_free_probes_start_a_big_bucket_from_the_suggestion_at_once():
+    """free_probes (n-gram: a lookup wakes no draft model): a 32-sequence bucket probes the suggestion after
+    probe_every steps, as a batch-1 bucket does, not k = 1 after probe_every x 8 steps (which kept n-gram off for
+    the first ~190-250 steps of a served 10-s level, session 22), and is on soon after where every cap pays."""
+    g = GoodputGuard(GuardConfig(k_max=8, free_probes=True))
+    assert g.cap(32, suggest=8) == 0
+    used = [0] + _drive(g, 32, 200, lambda c: 1000.0 if c == 0 else 1000.0 + 150 * c)
+    first = next(i for i, c in enumerate(used) if c)
+    assert used[first] == 8 and first <= GuardConfig().probe_every
+    on_at = next(i for i in range(len(used)) if g.current(32) and all(c for c in used[i:i + 40]))
+    assert on_at <= 160, used[:200]  # the ladder (8, 2, 4), off re-measured between rungs, a confirming probe
+    # without it (a draft model): k = 1 first, after the size-scaled interval
+    slow = GoodputGuard(GuardConfig(k_max=8))
+    used = _drive(slow, 32, 200, lambda c: 1000.0 if c == 0 else 1000.0 + 150 * c)
+    assert used[:150] == [0] * 150 and 1 in used
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_free_probes_stay_off_where_every_cap_loses_with_probing_bounded(seed):
+    g = GoodputGuard(GuardConfig(k_max=8, free_probes=True))
+    rate = lambda c: 5000.0 if c == 0 else 4000.0 - 200 * c  # noqa: E731
+    used = _drive(g, 32, 4000, rate, seed=seed)
+    assert g.current(32) == 0 and g.num_switches == 0
+    tail = used[1000:]
+    assert len(tail) / sum(1 / rate(c) for c in tail) >= 0.97 * 5000.0  # probes cost at most ~3% once settled
+
+
 def test_guard_ladder_at_a_big_batch_finds_a_longer_draft_that_pays():
     # 16 sequences with a draft model (measured, session 11 on the AVX2 box, decode-only steps through the
     # server: k = 1 0.79x of off's rate, k = 4 level with off; session 9 on AVX-512: fixed k = 4 1.10x at 16

@@ -22,7 +22,8 @@ the policy under the best measured cap.
                    then the best measured one (a draft model may lose at k = 1 and win at k = 4, at batch 1
                    and at 16 sequences alike); no switch before every rung is measured (one that beats off a
                    little must not win before a better one was tried). The first rung is the cost model's
-                   suggestion in a bucket of <= 4 sequences, k = 1 (the cheapest probe) in bigger ones; the
+                   suggestion in a bucket of <= 4 sequences (any bucket with `free_probes`: n-gram, whose
+                   probes wake no draft model), k = 1 (the cheapest probe) in bigger ones; the
                    next rung follows at once unless the rungs' measured cost asks a longer wait than the
                    ladder's own length (a big batch, where each probe from off is a draft catch-up of every
                    sequence): then it waits that (the probe-cost amortisation below). The climb stops at a
@@ -123,6 +124,11 @@ class GuardConfig:
     # probing takes at most this share of a bucket's time; at a large batch a probe costs in proportion
     explore_budget: float = 0.02
     max_amortised_every: int = 8192  # the longest interval the amortisation may ask for
+    # the proposer's lookups are free and wake no draft model (n-gram): a probe from off costs only its verify rows,
+    # and the decoder's shadow proposals price every cap's content while off, so a new bucket of any size probes at
+    # the base interval from the cost model's suggestion (not at k = 1 after probe_every x size/4 steps: at 32
+    # sequences that kept n-gram off for the first ~190-250 steps of a level, ~6% of a 10-s level, session 22)
+    free_probes: bool = False
 
     def __post_init__(self):
         if not 1 <= self.k_max <= 16:
@@ -181,6 +187,29 @@ class _Arm:
 FIRST_HELD = 3
 
 
+class _Window:
+    """Content-matched counts of one window W (the steps run at caps >= W): EMAs of the tokens emitted and, per
+    cap K' <= W, of the sequence-steps K' would have needed for them, and the number of steps. `win[K']` is
+    (tokens, sequence-steps of K', samples). Tokens and samples are the same for every K' of a window, so they are
+    kept once (one update per step instead of W + 1: the guard's bookkeeping was ~5% of a batch-1 step)."""
+
+    __slots__ = ("tokens", "need", "samples")
+
+    def __init__(self, w: int):
+        self.tokens = 0.0
+        self.need = [0.0] * (w + 1)
+        self.samples = 0
+
+    def __getitem__(self, kk: int) -> tuple[float, float, int]:
+        return self.tokens, self.need[kk], self.samples
+
+    def __iter__(self):
+        return iter(range(len(self.need)))
+
+    def __len__(self) -> int:
+        return len(self.need)
+
+
 class _Bucket:
     __slots__ = ("cur", "arms", "steps", "next_probe", "interval", "probe_arm", "probe_left", "num_probes",
                  "last_cap", "run", "seed", "base", "ladder", "pending", "win", "win_tail", "probe_cost", "cf",
@@ -208,7 +237,7 @@ class _Bucket:
         self.probe_cost: float | None = None  # EMA of a probe's measured cost, seconds (vs the current arm)
         # content-matched windows: cf[W][K'] = [tokens, sequence-steps K' would have needed, samples], EMAs over
         # the steps run at caps >= W (every K' <= W updated together: the same steps)
-        self.cf: dict[int, dict[int, list[float]]] = {}
+        self.cf: dict[int, _Window] = {}
         self.last_probe = 0  # the step the last probe started at
         # content of the shadow proposals (observe_shadow), shadow[K'] = [tokens, sequence-steps K'
         # would have needed, samples]; None until the decoder sends any (a proposer without free lookups)
@@ -241,14 +270,15 @@ class GoodputGuard:
             # a probe wakes every sequence's draft (a catch-up) and verifies k more rows per sequence: at a
             # large batch it costs in proportion, so big buckets start their ladder at k = 1 (the cheapest
             # probe) and probe less often; a rung that lost delays the next by its measured cost (_amortised)
-            b.seed = 1 if bk > 4 else max(1, min(self.cfg.k_max, suggest or self.cfg.k_max))
+            free = self.cfg.free_probes
+            b.seed = 1 if bk > 4 and not free else max(1, min(self.cfg.k_max, suggest or self.cfg.k_max))
             # from off, probe a ladder of caps, not only the suggestion and its neighbours: a draft model can
             # lose at k = 1 and win at k = 4 (its forward has a fixed cost per draft step): measured at batch 1
             # (session 9) and at 16 sequences (session 11, AVX2: k = 1 0.79x of off's rate on its steps, k = 4
             # level with off; session 9, AVX-512: fixed k = 4 1.10x of off at 16 sessions), so "if one draft
             # does not pay, longer ones do not" is false at every batch size
             b.ladder = tuple(dict.fromkeys([b.seed] + [k for k in (2, 4, self.cfg.k_max) if k <= self.cfg.k_max]))
-            b.base = b.interval = min(self.cfg.max_probe_every, self.cfg.probe_every * max(1, bk // 4))
+            b.base = b.interval = min(self.cfg.max_probe_every, self.cfg.probe_every * (1 if free else max(1, bk // 4)))
             b.next_probe = max(b.next_probe, b.interval)
         b = self._get(n)
         b.steps += 1
@@ -425,10 +455,11 @@ class GoodputGuard:
             c = b.shadow[k]
             if c[2] >= self.cfg.min_samples and c[1] > 0 and a.nseq > 0:
                 return c[0] / c[1] * a.nseq / a.seconds
-        c = b.cf.get(w, {}).get(k) if w > 0 else None
-        if c is None or c[2] < self.cfg.min_samples or not c[1] > 0 or not a.nseq > 0:
+        win = b.cf.get(w) if w > 0 else None
+        if win is None or k >= len(win.need) or win.samples < self.cfg.min_samples or not win.need[k] > 0 \
+                or not a.nseq > 0:
             return a.rate()
-        return c[0] / c[1] * a.nseq / a.seconds
+        return win.tokens / win.need[k] * a.nseq / a.seconds
 
     def _ratio(self, b: _Bucket, k: int, ref: int) -> float:
         """Arm k's rate over arm ref's, both on the content of the window max(k, ref) (0: ref not measured)."""
@@ -444,18 +475,19 @@ class GoodputGuard:
         d = self.cfg.content_decay
         emitted = [a + 1 for _k, a in seqs]
         tokens = float(sum(emitted))
-        need = [sum(e / (min(a, kk) + 1) for e, (_k, a) in zip(emitted, seqs)) for kk in range(cap + 1)]
+        if len(seqs) == 1:
+            e, a = emitted[0], seqs[0][1]
+            need = [e / (min(a, kk) + 1) for kk in range(cap + 1)]
+        else:
+            need = [sum(e / (min(a, kk) + 1) for e, (_k, a) in zip(emitted, seqs)) for kk in range(cap + 1)]
+        cf = b.cf
         for w in range(1, cap + 1):
-            tab = b.cf.get(w)
-            if tab is None:
-                tab = b.cf[w] = {}
-            for kk in range(w + 1):
-                c = tab.get(kk)
-                if c is None:
-                    c = tab[kk] = [0.0, 0.0, 0]
-                c[0] = d * c[0] + tokens
-                c[1] = d * c[1] + need[kk]
-                c[2] += 1
+            win = cf.get(w)
+            if win is None:
+                win = cf[w] = _Window(w)
+            win.tokens = d * win.tokens + tokens
+            win.need = [d * x + y for x, y in zip(win.need, need)]
+            win.samples += 1
 
     def observe_shadow(self, n: int, seqs) -> None:
         """Shadow proposals scored on steps of n decoding sequences (the decoder's _shadow_step, n-gram): per
@@ -483,6 +515,17 @@ class GoodputGuard:
             c[0] = d * c[0] + tokens
             c[1] = d * c[1] + sum(e / (min(a, kk) + 1) for e, (_k, a) in zip(emitted, seqs))
             c[2] += 1
+        self._probe_on_content(b)
+
+    def content_check(self, n: int) -> None:
+        """A step of n decoding sequences whose shadow proposals the decoder skipped (the bucket runs k_max: the
+        verify's exact counts already price every cap at or below it, the only ones there are): the content
+        trigger of observe_shadow still runs (a cap below that wins on the content around now is probed at once)."""
+        b = self.buckets.get(bucket(n))
+        if b is not None and b.shadow is not None:
+            self._probe_on_content(b)
+
+    def _probe_on_content(self, b: _Bucket) -> None:
         if (b.probe_arm is None and b.pending is None and b.steps < b.next_probe
                 and b.steps - b.last_probe >= max(b.base, self._amortised(b)) and self._next_rung(b) is None):
             if b.cur == 0:
