@@ -56,7 +56,7 @@ def _decode_then_recompute(mode: str):
 
 @needs_bf16_kernels
 def test_auto_is_on_for_bf16_with_own_kernels_and_off_for_fp32():
-    assert _llm("auto").engine.batch_invariant
+    assert _llm("auto").engine.batch_invariant and _llm("auto").engine.stats().batch_invariant  # /metrics reads it
     assert not LLM("demo", dtype="float32", kv_cache_bytes="16MiB").engine.batch_invariant
     assert LLM("demo", dtype="float32", kv_cache_bytes="16MiB", batch_invariant="on").engine.batch_invariant
 

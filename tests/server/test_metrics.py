@@ -60,6 +60,8 @@ def test_vllm_names_and_types(fake_server):
     hw = capabilities()
     assert value(samples, "tokenmill_hardware_info", cpu_flags=" ".join(hw.cpu_flags),
                  native_bf16=str(hw.native_bf16).lower()) == 1
+    assert types.get("tokenmill_batch_invariant") == "gauge"  # the fake engine's stats: off
+    assert value(samples, "tokenmill_batch_invariant", model_name="fake") == 0
     assert not any(n.endswith("_created") for n, _ in samples)
 
 

@@ -420,7 +420,8 @@ class LLMEngine:
             num_steps=self.num_steps, kv_tiers=self.tiers.stats() if self.tiers is not None else {},
             kv_tiers_engine=self.tiers.engine_stats() if self.tiers is not None else {},
             spec=self.spec.stats.copy() if self.spec is not None else None,
-            kv_blocks_cached=len(pool.cached), kv_evictions_total=pool.num_evictions)
+            kv_blocks_cached=len(pool.cached), kv_evictions_total=pool.num_evictions,
+            batch_invariant=self.batch_invariant)
 
     def _weights_note(self) -> str:
         if self.model_config.quantization:

@@ -59,6 +59,7 @@ class EngineStats:
     spec: "SpecStats | None" = None  # speculative decoding counters (None: off); engine/spec/stats.py
     kv_blocks_cached: int = 0  # blocks holding prefix-cache content (in use or free); at most kv_blocks_total
     kv_evictions_total: int = 0  # cached blocks whose content was evicted for reuse (cumulative)
+    batch_invariant: bool = False  # EngineConfig.batch_invariant as resolved (auto: on for bf16 with own kernels)
 
     @property
     def kv_usage(self) -> float:

@@ -217,6 +217,9 @@ class _EngineCollector:
         yield gauge("tokenmill_requests_waiting", "Requests in the engine's waiting queue.", s.num_waiting, mlab, mval)
         yield gauge("tokenmill_requests_pending", "Requests accepted by the server, not yet handed to the engine.",
                     pending, mlab, mval)
+        yield gauge("tokenmill_batch_invariant", "1: every row of a step gets the same bits whatever the step's "
+                    "composition (--batch-invariant; greedy output independent of batching).",
+                    int(bool(getattr(s, "batch_invariant", False))), mlab, mval)
         yield gauge("tokenmill_kv_blocks_total", "KV cache blocks.", s.kv_blocks_total, mlab, mval)
         yield gauge("tokenmill_kv_blocks_used", "KV cache blocks in use.", s.kv_blocks_used, mlab, mval)
         yield gauge("tokenmill_kv_usage_ratio", "Fraction of KV cache blocks in use (0-1).", s.kv_usage, mlab, mval)
