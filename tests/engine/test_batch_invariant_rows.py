@@ -66,6 +66,14 @@ def test_bad_value_is_a_clear_error():
         EngineConfig(model="demo", batch_invariant="yes")
 
 
+@pytest.mark.skipif(get_kernels() is None, reason="no C++ CPU kernels on this machine")
+def test_on_where_it_cannot_hold_is_a_clear_error_not_a_silent_off():
+    """int8 linears are not PackedWeights: "on" could not give them small-row bits, so it is refused by name."""
+    with pytest.raises(TokenmillError, match="batch_invariant"):
+        LLM("demo", quantization="int8", kv_cache_bytes="16MiB", batch_invariant="on")
+    assert not LLM("demo", quantization="int8", kv_cache_bytes="16MiB").engine.batch_invariant  # auto: off
+
+
 @needs_bf16_kernels
 @pytest.mark.parametrize("mode", ["on", "strict"])
 def test_recomputed_generated_rows_have_their_decode_bits(mode):

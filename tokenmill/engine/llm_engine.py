@@ -20,7 +20,7 @@ from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutp
 from tokenmill.engine.step_budget import step_composition
 from tokenmill.errors import EngineOverloadedError, InvalidRequestError, ModelLoadError
 from tokenmill.model.config import ModelConfig
-from tokenmill.model.linear import any_row_bits_kernels
+from tokenmill.model.linear import any_row_bits_kernels, small_bits_kernels
 from tokenmill.hardware import capabilities
 from tokenmill.model.loader import load_model, pick_device, pick_dtype, resolve_model_path
 from tokenmill.model.tokenizer import Tokenizer
@@ -71,6 +71,11 @@ class LLMEngine:
             raise ModelLoadError(f"cuda_graphs (--cuda-graphs) needs a CUDA device; the engine is on {self.device}")
         self.runner = ModelRunner(model, cfg, self.device, self.dtype, num_blocks, c.block_size, window,
                                   kv_dtype=self.kv_dtype, scratch_block=c.cuda_graphs)
+        if c.batch_invariant in ("on", "strict") and not (self.device.type == "cpu" and small_bits_kernels(model)):
+            raise ModelLoadError(
+                f"batch_invariant={c.batch_invariant!r} (--batch-invariant) needs every linear on the engine's C++ CPU "
+                f"kernels (unquantized fp32/bf16; not on {self.device.type}, with --quantization "
+                f"{c.quantization}, or with TOKENMILL_CPU_KERNELS=0): use --batch-invariant auto|off")
         self.batch_invariant = c.batch_invariant in ("on", "strict") or (
             c.batch_invariant == "auto" and self.device.type == "cpu" and any_row_bits_kernels(model))
         self.runner.batch_invariant = self.batch_invariant

@@ -28,7 +28,6 @@ import os
 import torch
 
 from tokenmill.model.attention import AttentionMetadata, Int8KVCache
-from tokenmill.model.linear import small_row_bits_on
 
 MAX_TOKENS = 8  # the small-batch linear kernels' row limit (PackedWeight.SMALL_ROWS, Int8LinearMethod.SMALL_ROWS)
 ANY = 1 << 62  # max_tokens of a stack that runs decode steps of any size
@@ -86,7 +85,7 @@ class FusedDecodeStack:
         self.max_tokens = max_tokens  # the largest step it runs (ANY, or MAX_TOKENS when a linear has no big path)
         # the most rows for which every linear here takes its small-row kernel (any_linear): AMX's amx_rows() when
         # every linear is bf16 with an AMX-packed weight (slot 1), else MAX_TOKENS. Under linear.small_row_bits a
-        # bigger step goes to the modules, which give every row the small-row bits
+        # bigger step runs here too: the C++ linears follow that switch (set_small_row_bits, csrc any_linear)
         amx = all(k == KIND_FLOAT for k in kinds) and all(
             weights[i * LAYER_SLOTS_PY + 4 + j * LIN_SLOTS_PY + 1].numel() > 0
             for i in range(len(kinds) // 4) for j in range(4))
@@ -150,8 +149,6 @@ class FusedDecodeStack:
         """This step is one the fused path runs: all tokens decode-style, at most `max_tokens` of them, x in a
         dtype the kernels take."""
         t = x.shape[0]
-        if t > self.bits_rows and small_row_bits_on() and not hasattr(self.kernels, "set_small_row_bits"):
-            return False  # kernels without the C++ mirror of linear.small_row_bits: the modules honour it
         return (0 < t <= self.max_tokens and not meta.spans and meta.decode_token_idx is not None
                 and meta.decode_token_idx.shape[0] == t and x.is_contiguous())
 

@@ -20,7 +20,6 @@ import torch
 
 from tokenmill.model.attention import AttentionMetadata, _prefill_args, _prefill_on
 from tokenmill.model.fused_decode import FusedDecodeStack
-from tokenmill.model.linear import small_row_bits_on
 
 
 def enabled_by_env() -> bool:
@@ -51,8 +50,6 @@ class FusedMixedStack:
         t = x.shape[0]
         if not meta.spans or not x.is_contiguous() or t > self.stack.max_tokens or not _prefill_on():
             return False
-        if t > self.stack.bits_rows and small_row_bits_on() and not hasattr(self.stack.kernels, "set_small_row_bits"):
-            return False  # kernels without the C++ mirror of linear.small_row_bits: the modules honour it
         dec = meta.decode_token_idx
         return dec is None or dec.shape[0] + sum(s.q_len for s in meta.spans) == t
 

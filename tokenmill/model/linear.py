@@ -24,8 +24,8 @@ _SMALL_BITS = [False]  # inside `small_row_bits(True)`: calls of any row count g
 
 
 def small_row_bits_on() -> bool:
-    """Inside `small_row_bits(True)`: callers that run their own kernels (the fused decoder stack) must give every
-    row the small-row kernel's bits too, or step aside for the modules."""
+    """Inside `small_row_bits(True)`: callers that run their own kernels must give every row the small-row kernel's
+    bits too (the fused decoder stacks' C++ linears follow the switch through `set_small_row_bits`)."""
     return _SMALL_BITS[0]
 
 
@@ -38,9 +38,11 @@ def small_row_bits(on: bool):
     Why: each kernel is row-invariant on its own (linear_small's per-row sum does not depend on the row count;
     oneDNN's rows are the same bits for any count above SMALL_ROWS: tests/model/test_batch_invariant.py checks
     both), but the two differ in the last bits, which in bf16 flips near-tie argmaxes. A speculative verify step
-    has more rows than the step it stands for (n decodes + their drafts): the runner turns this on when the step
-    *without* drafts would have had at most `small_row_limit(model)` rows, so every row gets the bits it would get in that
-    step and greedy speculation is token for token the output without it."""
+    has more rows than the step it stands for (n decodes + their drafts), and the tail of a batch or a preemption
+    changes a position's step: a batch-invariant runner (EngineConfig.batch_invariant, the bf16 default) runs every
+    step under it, so a row's bits never depend on its step's row count; without that, the runner turns it on when
+    the step *without* drafts would have had at most `small_row_limit(model)` rows. The fused stacks' C++ linears
+    follow the switch (`set_small_row_bits`)."""
     if not on:
         yield
         return
@@ -199,6 +201,14 @@ def any_row_bits_kernels(module: nn.Module) -> bool:
         isinstance(getattr(lin, "packed", None), PackedWeight) and lin.packed.weight.dtype == torch.bfloat16
         and lin.packed.small is not None and (lin.packed.amx is not None or lin.packed.rows_bf16 is not None)
         for lin in lins)
+
+
+def small_bits_kernels(module: nn.Module) -> bool:
+    """True where every Linear in `module` is a PackedWeight with the C++ small-row kernel (fp32 or bf16): there
+    `small_row_bits(True)` makes every row's bits independent of the row count (batch_invariant "on" needs it)."""
+    lins = [lin for lin in module.modules() if isinstance(lin, Linear)]
+    return bool(lins) and all(isinstance(getattr(lin, "packed", None), PackedWeight) and lin.packed.small is not None
+                              for lin in lins)
 
 
 class UnquantizedLinearMethod(LinearMethod):
