@@ -72,10 +72,12 @@ class LLMEngine:
         self.runner = ModelRunner(model, cfg, self.device, self.dtype, num_blocks, c.block_size, window,
                                   kv_dtype=self.kv_dtype, scratch_block=c.cuda_graphs)
         if c.batch_invariant in ("on", "strict") and not (self.device.type == "cpu" and small_bits_kernels(model)):
+            why = (f"the engine is on {self.device.type}" if self.device.type != "cpu" else
+                   f"--quantization {c.quantization}" if c.quantization != "none" else
+                   "no C++ CPU kernels (TOKENMILL_CPU_KERNELS=0, or they did not build here)")
             raise ModelLoadError(
                 f"batch_invariant={c.batch_invariant!r} (--batch-invariant) needs every linear on the engine's C++ CPU "
-                f"kernels (unquantized fp32/bf16; not on {self.device.type}, with --quantization "
-                f"{c.quantization}, or with TOKENMILL_CPU_KERNELS=0): use --batch-invariant auto|off")
+                f"kernels, unquantized fp32/bf16; here: {why}. Use --batch-invariant auto|off")
         self.batch_invariant = c.batch_invariant in ("on", "strict") or (
             c.batch_invariant == "auto" and self.device.type == "cpu" and any_row_bits_kernels(model))
         self.runner.batch_invariant = self.batch_invariant
