@@ -26,12 +26,13 @@ class Scorer:
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.float32, num_blocks: int = 64,
                  block_size: int = 16, max_positions: int = 2048, quantization: str = "none",
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
         path = resolve_model_path(str(path))
         self.cfg = ModelConfig.from_dir(path)
-        model = load_model(path, self.cfg, torch.device("cpu"), dtype, max_positions, quantization)
+        device = torch.device(device)
+        model = load_model(path, self.cfg, device, dtype, max_positions, quantization)
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
-        self.runner = ModelRunner(model, self.cfg, torch.device("cpu"), dtype, num_blocks, block_size,
+        self.runner = ModelRunner(model, self.cfg, device, dtype, num_blocks, block_size,
                                   sliding_window=self.cfg.sliding_window, kv_dtype=kv_dtype)
 
     def run(self, reqs_and_chunks: list[tuple[Request, int]]) -> list[torch.Tensor]:

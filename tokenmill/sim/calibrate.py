@@ -10,6 +10,7 @@ wrapped to keep it); its time is the wall time of LLMEngine.step(), as the serve
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
@@ -139,6 +140,8 @@ def calibrate(model: str, grid: Grid = Grid(), engine_kwargs: dict | None = None
                    "max_num_batched_tokens": c.max_num_batched_tokens, "max_num_seqs": c.max_num_seqs,
                    "dtype": str(engine.dtype).replace("torch.", ""), "kv_bytes_per_value": kv_bytes_per_value,
                    "num_threads": c.num_threads, "max_model_len": engine.max_model_len,
+                   "device": str(engine.runner.device), "quantization": c.quantization,
+                   "cuda_graphs": bool(c.cuda_graphs),
                    "small_rows": int(engine.runner.small_rows)},
         "grid": {"contexts": list(grid.contexts), "decodes": list(grid.decodes), "prefills": list(grid.prefills),
                  "repeats": grid.repeats},
@@ -146,6 +149,9 @@ def calibrate(model: str, grid: Grid = Grid(), engine_kwargs: dict | None = None
                 "p90_abs_rel_error": float(np.percentile(rel, 90)), "seconds": time.perf_counter() - t_start,
                 "other_cpu_share": other},
         "samples": [[*s.features().tolist()[1:], t] for s, t in rec.samples],
+        # each sample's whole StepShape (tokens, prefill_tokens, decode_seqs, attn_pairs, decode_ctx, prefill_ctx,
+        # logits, new_requests): what a roofline needs to predict the same step (benchmarks/sim_roofline_check.py)
+        "sample_shapes": [list(dataclasses.astuple(s)) for s, _ in rec.samples],
     }
 
 

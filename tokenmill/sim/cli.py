@@ -68,6 +68,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--kv-cache-bytes", default="256MiB")
     c.add_argument("--max-num-batched-tokens", type=int, default=2048)
     c.add_argument("--num-threads", type=int, help="torch threads (as `tokenmill serve --num-threads`)")
+    c.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (as `tokenmill serve --device`)")
+    c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="model dtype (as `tokenmill serve --dtype`)")
+    c.add_argument("--quantization", default="none", choices=["none", "int8", "fp8"], help="weights (as `tokenmill serve --quantization`)")
+    c.add_argument("--max-model-len", type=int, help="as `tokenmill serve --max-model-len` (CUDA graphs' buckets "
+                   "shrink as it grows)")
+    c.add_argument("--cuda-graphs", action="store_true", help="decode steps as captured CUDA graphs (as `tokenmill "
+                   "serve --cuda-graphs`)")
     c.add_argument("--contexts", default="64,256,768,1536", help="context lengths of the grid")
     c.add_argument("--decodes", default="1,4,8,16,32,64", help="decode batch sizes of the grid")
     c.add_argument("--prefills", default="16,64,256,1024", help="prefill chunk sizes of the grid")
@@ -103,7 +111,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     grid = Grid(_numbers("--contexts", args.contexts), _numbers("--decodes", args.decodes),
                 _numbers("--prefills", args.prefills), args.repeats)
     engine_kwargs = {"kv_cache_bytes": parse_bytes(args.kv_cache_bytes),
-                     "max_num_batched_tokens": args.max_num_batched_tokens, "num_threads": args.num_threads}
+                     "max_num_batched_tokens": args.max_num_batched_tokens, "num_threads": args.num_threads,
+                     "device": args.device, "dtype": args.dtype, "quantization": args.quantization,
+                     "cuda_graphs": args.cuda_graphs, "max_model_len": args.max_model_len}
     print(f"calibrating {args.model} on this machine ...", file=sys.stderr)
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     if args.engine_profile:
@@ -121,6 +131,11 @@ def run_calibrate(args: argparse.Namespace) -> int:
                        str(args.max_num_batched_tokens)]
         if args.num_threads:
             engine_args += ["--num-threads", str(args.num_threads)]
+        engine_args += ["--device", args.device, "--dtype", args.dtype, "--quantization", args.quantization]
+        if args.cuda_graphs:
+            engine_args.append("--cuda-graphs")
+        if args.max_model_len:
+            engine_args += ["--max-model-len", str(args.max_model_len)]
         from tokenmill.sim.calibrate import SERVING_LOAD_FRACTIONS
 
         fractions = (_numbers("--serving-loads", args.serving_loads, float) if args.serving_loads

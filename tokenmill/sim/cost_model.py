@@ -370,7 +370,7 @@ class Calibrated(CostModel):
 
     def describe(self) -> dict:
         return {"kind": "calibrated", "features": list(FEATURES), "coef": [float(v) for v in self._c],
-                **{k: v for k, v in self.profile.items() if k not in ("coef", "features", "samples")}}
+                **{k: v for k, v in self.profile.items() if k not in ("coef", "features", "samples", "sample_shapes")}}
 
     @staticmethod
     def load(path: str | Path) -> "Calibrated":
