@@ -7,6 +7,8 @@
 #      weights): the measured step times the simulator's h200 roofline is checked against
 #      (benchmarks/sim_roofline_check.py reads the profile)
 #   3. benchmarks/gpu_precision.py on the same model: batch-1 decode vs the HBM roofline, bf16 / fp8 / graphs
+#   4. scripts/serve_smoke.sh: `tokenmill serve --device cuda --cuda-graphs` with the draft model, end to end
+# PARTS="cuda_check serve" runs a subset (names as in the `part` lines).
 # Each part has its own time limit, so one that hangs or fails leaves the others their time.
 set -u
 OUT=${OUT:-/tmp/device}
@@ -15,8 +17,10 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENMILL_CPU_KERNELS=0
 M8=/tmp/m8b
 LOGS=/tmp/device_logs  # each part's whole log; $OUT/logs.txt gets them all (the device tool brings back 8 files)
 mkdir -p "$LOGS"
+PARTS=" ${PARTS:-cuda_check make_model calibrate gpu_precision calibrate_graphs serve} "  # which parts to run
 part() {  # part NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
+  [[ "$PARTS" == *" $name "* ]] || return 0
   local t0=$SECONDS
   echo "=== $name (limit $secs s)"
   timeout "$secs" "$@" >"$LOGS/$name.log" 2>&1
@@ -40,4 +44,6 @@ cp /tmp/gp/result.json "$OUT/gpu_precision.json" 2>/dev/null
 part calibrate_graphs "${T_CALG:-90}" python3 -m tokenmill sim calibrate --model "$M8" --device cuda --dtype bfloat16 \
   --cuda-graphs --max-model-len 8192 --no-serving --kv-cache-bytes 24GiB --max-num-batched-tokens 8192 \
   --contexts 256,1024,4096 --decodes 1,8,32 --prefills 256,1024,4096 --repeats 3 --out "$OUT/h200_graphs.json"
+part serve "${T_SERVE:-120}" env SMOKE_OUT=/tmp/serve_smoke bash scripts/serve_smoke.sh --device cuda --cuda-graphs \
+  --speculative-model demo-draft --num-speculative-tokens auto
 echo "=== done in $SECONDS s"

@@ -154,7 +154,7 @@ class DraftModelProposer:
             logits = out.logits
             if any(b.num_logits > 1 for b in batch):
                 rows = [off + b.num_logits - 1 for off, b in zip(out.logit_offsets, batch)]
-                logits = logits.index_select(0, torch.tensor(rows))
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             toks, qs = self._sample(logits, [reqs[i] for i in active], [gens[i] for i in active])
             for j, i in enumerate(active):
                 tokens[i].append(toks[j])
