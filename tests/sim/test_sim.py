@@ -308,10 +308,16 @@ def test_cli_profile_for_another_model_is_refused(tmp_path, capsys):
 def test_calibrate_measures_the_real_engine(tmp_path):
     out = tmp_path / "cal.json"
     rc = main(["sim", "calibrate", "--model", "demo", "--out", str(out), "--contexts", "32,256", "--decodes",
-               "1,8", "--prefills", "16,128", "--repeats", "2", "--no-serving", "--kv-cache-bytes", "32MiB"])
+               "1,8", "--prefills", "16,128", "--repeats", "2", "--no-serving", "--kv-cache-bytes", "32MiB",
+               "--device", "cpu", "--dtype", "float32"])
     assert rc == 0
     p = json.loads(out.read_text())
     assert p["kind"] == PROFILE_KIND and p["fit"]["samples"] >= 20 and all(c >= 0 for c in p["coef"])
+    assert p["engine"]["device"] == "cpu" and p["engine"]["dtype"] == "float32"
+    # every sample's whole StepShape is kept (benchmarks/sim_roofline_check.py), in step with its features
+    assert len(p["sample_shapes"]) == len(p["samples"]) == p["fit"]["samples"]
+    for shape, row in zip(p["sample_shapes"], p["samples"]):
+        assert StepShape(*shape).features().tolist()[1:] == row[:-1]
     cal = Calibrated.load(out)
     small = cal.step_s(StepShape(tokens=16, prefill_tokens=16, attn_pairs=136, logits=1))
     big = cal.step_s(StepShape(tokens=1024, prefill_tokens=1024, attn_pairs=1024 * 1025 / 2, logits=1))
