@@ -656,3 +656,36 @@ def test_shadow_content_while_on_does_not_oscillate_at_steady_content():
     b = g.buckets[1]
     assert g.num_switches <= 6, g.num_switches
     assert b.num_probes <= 6000 // b.base // 2, b.num_probes
+
+
+def test_content_windows_added_in_runs_equal_step_by_step():
+    """The windows take a run of steps under one cap in one pass (_Bucket.add_content / cf): the same EMAs as
+    adding every step to every window W <= cap as it comes (the definition), over changing caps and reads."""
+    import random
+
+    cfg = GuardConfig(k_max=6, min_samples=1)
+    g = GoodputGuard(cfg)
+    d = cfg.content_decay
+    rng = random.Random(0)
+    ref: dict[int, list] = {}  # w -> [tokens, need list, samples]
+    cap = 3
+    for step in range(400):
+        if rng.random() < 0.05:
+            cap = rng.randint(0, 6)
+        seqs = [(k, rng.randint(0, k)) for k in (rng.randint(0, cap) for _ in range(3))]
+        g.observe(3, cap, sum(a + 1 for _k, a in seqs), 0.01, seqs)
+        if cap > 0:
+            emitted = [a + 1 for _k, a in seqs]
+            need = [sum(e / (min(a, kk) + 1) for e, (_k, a) in zip(emitted, seqs)) for kk in range(cap + 1)]
+            for w in range(1, cap + 1):
+                r = ref.setdefault(w, [0.0, [0.0] * (w + 1), 0])
+                r[0] = d * r[0] + sum(emitted)
+                r[1] = [d * x + y for x, y in zip(r[1], need)]
+                r[2] += 1
+        if step % 37 == 0 or step == 399:  # reads in the middle of runs too
+            cf = g.buckets[bucket(3)].cf
+            assert sorted(cf) == sorted(ref)
+            for w, (tokens, need, samples) in ref.items():
+                assert cf[w].samples == samples
+                assert cf[w].tokens == pytest.approx(tokens, rel=1e-12)
+                assert cf[w].need == pytest.approx(need, rel=1e-12)

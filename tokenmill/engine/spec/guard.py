@@ -212,8 +212,8 @@ class _Window:
 
 class _Bucket:
     __slots__ = ("cur", "arms", "steps", "next_probe", "interval", "probe_arm", "probe_left", "num_probes",
-                 "last_cap", "run", "seed", "base", "ladder", "pending", "win", "win_tail", "probe_cost", "cf",
-                 "last_probe", "shadow")
+                 "last_cap", "run", "seed", "base", "ladder", "pending", "win", "win_tail", "probe_cost", "_cf",
+                 "_cf_run", "last_probe", "shadow")
 
     def __init__(self, k_max: int, probe_every: int, first_probe: int):
         self.cur = k_max
@@ -237,11 +237,47 @@ class _Bucket:
         self.probe_cost: float | None = None  # EMA of a probe's measured cost, seconds (vs the current arm)
         # content-matched windows: cf[W][K'] = [tokens, sequence-steps K' would have needed, samples], EMAs over
         # the steps run at caps >= W (every K' <= W updated together: the same steps)
-        self.cf: dict[int, _Window] = {}
+        self._cf: dict[int, _Window] = {}
+        # the steps not yet added to the windows, all under one cap: [cap, steps, decay, tokens, need[0..cap]],
+        # EMAs from 0 (every window W <= cap gets the same update, so a run of steps is added in one pass when
+        # the windows are read or the cap changes: one list update per step instead of cap of them)
+        self._cf_run: list | None = None
         self.last_probe = 0  # the step the last probe started at
         # content of the shadow proposals (observe_shadow), shadow[K'] = [tokens, sequence-steps K'
         # would have needed, samples]; None until the decoder sends any (a proposer without free lookups)
         self.shadow: dict[int, list[float]] | None = None
+
+
+    @property
+    def cf(self) -> dict[int, _Window]:
+        """The content-matched windows, with every observed step in them."""
+        run = self._cf_run
+        if run is not None:
+            self._cf_run = None
+            cap, m, d, tokens, need = run
+            dm = d ** m
+            cf = self._cf
+            for w in range(1, cap + 1):
+                win = cf.get(w)
+                if win is None:
+                    win = cf[w] = _Window(w)
+                win.tokens = dm * win.tokens + tokens
+                win.need = [dm * x + y for x, y in zip(win.need, need)]
+                win.samples += m
+        return self._cf
+
+    def add_content(self, cap: int, d: float, tokens: float, need: list[float]) -> None:
+        """One step's content under `cap` (GoodputGuard._content): into the run, or a new run (the old one added)."""
+        run = self._cf_run
+        if run is not None and (run[0] != cap or run[2] != d):
+            self.cf  # noqa: B018 (adds the run)
+            run = None
+        if run is None:
+            self._cf_run = [cap, 1, d, tokens, need]
+        else:
+            run[1] += 1
+            run[3] = d * run[3] + tokens
+            run[4] = [d * x + y for x, y in zip(run[4], need)]
 
 
 class GoodputGuard:
@@ -480,14 +516,7 @@ class GoodputGuard:
             need = [e / (min(a, kk) + 1) for kk in range(cap + 1)]
         else:
             need = [sum(e / (min(a, kk) + 1) for e, (_k, a) in zip(emitted, seqs)) for kk in range(cap + 1)]
-        cf = b.cf
-        for w in range(1, cap + 1):
-            win = cf.get(w)
-            if win is None:
-                win = cf[w] = _Window(w)
-            win.tokens = d * win.tokens + tokens
-            win.need = [d * x + y for x, y in zip(win.need, need)]
-            win.samples += 1
+        b.add_content(cap, d, tokens, need)
 
     def observe_shadow(self, n: int, seqs) -> None:
         """Shadow proposals scored on steps of n decoding sequences (the decoder's _shadow_step, n-gram): per
@@ -526,6 +555,8 @@ class GoodputGuard:
             self._probe_on_content(b)
 
     def _probe_on_content(self, b: _Bucket) -> None:
+        if b.cur != 0 and b.steps % 8:  # on, the trigger looks every 8 steps: the cheap test first (it runs on
+            return  # every step of a bucket at k_max, ~12 us of the checks below at batch 1)
         if (b.probe_arm is None and b.pending is None and b.steps < b.next_probe
                 and b.steps - b.last_probe >= max(b.base, self._amortised(b)) and self._next_rung(b) is None):
             if b.cur == 0:
