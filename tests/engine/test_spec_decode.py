@@ -73,6 +73,27 @@ def test_ngram_lookup_matches_brute_force():
     assert prop.lookup([256, 1, 7, 1], 2) == []  # bytes of 256 and 1 overlap unaligned: no false match
 
 
+def test_ngram_keyed_lookups_on_a_growing_sequence_match_brute_force():
+    """A request's lookups keep its tokens' byte image and extend it (key=request id), also for a prefix
+    (end=: auto's shadow proposals at earlier positions): the same proposals as a fresh lookup each time."""
+    g = torch.Generator().manual_seed(1)
+    prop = NgramProposer(2, 4)
+    for trial in range(40):
+        vocab = [3, 5, 300, 70000][trial % 4]
+        toks: list[int] = []
+        for _ in range(60):
+            toks.extend(torch.randint(0, vocab, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist())
+            for k in (1, 4):
+                assert prop.lookup(toks, k, key="r") == _ngram_reference(toks, k, 2, 4)
+                end = max(1, len(toks) - 3)
+                assert prop.lookup(toks, k, end, "r") == _ngram_reference(toks[:end], k, 2, 4)
+        prop.forget("r")
+        assert "r" not in prop._bufs
+    # a different sequence under a key already used (not an extension of it) is rebuilt, not searched stale
+    prop.lookup([1, 2, 3, 1, 2], 2, key="x")
+    assert prop.lookup([7, 8, 9, 7, 8], 2, key="x") == [9, 7]
+
+
 # -- greedy: token for token identical to speculation off ---------------------------------------------
 @pytest.fixture(scope="module")
 def greedy_reference():

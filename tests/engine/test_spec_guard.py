@@ -689,3 +689,16 @@ def test_content_windows_added_in_runs_equal_step_by_step():
                 assert cf[w].samples == samples
                 assert cf[w].tokens == pytest.approx(tokens, rel=1e-12)
                 assert cf[w].need == pytest.approx(need, rel=1e-12)
+
+
+def test_need_equals_the_per_cap_sum():
+    from tokenmill.engine.spec.guard import _need
+
+    rng = __import__("random").Random(3)
+    for _ in range(200):
+        cap = rng.randint(0, 8)
+        acc = [rng.randint(0, 8) for _ in range(rng.randint(1, 12))]
+        tokens, need = _need(acc, cap)
+        assert tokens == sum(a + 1 for a in acc)
+        assert need == pytest.approx([sum((a + 1) / (min(a, kk) + 1) for a in acc) for kk in range(cap + 1)],
+                                     rel=1e-12)

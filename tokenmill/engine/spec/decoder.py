@@ -246,10 +246,10 @@ class SpecDecoder:
                 pos = start + m + 1
                 if budget and pos < nt:
                     budget -= 1
-                    p = pend[rid] = (pos, lookup(toks[:pos], min(k_max, rcaps[j] + nt - pos)))
+                    p = pend[rid] = (pos, lookup(toks, min(k_max, rcaps[j] + nt - pos), pos, rid))
             if rid not in pend and budget and rcaps[j] > 0:
                 budget -= 1
-                pend[rid] = (nt, lookup(toks, min(k_max, rcaps[j])))
+                pend[rid] = (nt, lookup(toks, min(k_max, rcaps[j]), None, rid))
         if counts:
             self.guard.observe_shadow(n, counts)
 

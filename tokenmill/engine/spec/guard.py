@@ -145,6 +145,23 @@ class GuardConfig:
             raise ValueError("guard needs explore_budget in (0, 1) and max_amortised_every >= max_probe_every")
 
 
+def _need(accepted: list[int], cap: int) -> tuple[float, list[float]]:
+    """Sequence-steps with a_i accepted drafts each (a_i + 1 tokens emitted): the tokens, and for every cap
+    K' <= cap the sequence-steps K' would have needed for them, sum_i (a_i + 1) / (min(a_i, K') + 1) — a sequence
+    with a_i <= K' needs one, the others (a_i + 1) / (K' + 1): one pass over the sorted a_i, not one per K'."""
+    s = sorted(accepted)
+    n = len(s)
+    total = float(sum(s) + n)
+    need = []
+    i, done = 0, 0  # sequences with a_i <= K' so far, and their tokens
+    for kk in range(cap + 1):
+        while i < n and s[i] <= kk:
+            done += s[i] + 1
+            i += 1
+        need.append(i + (total - done) / (kk + 1))
+    return total, need
+
+
 def bucket(n: int) -> int:
     """Decoding sequences -> bucket: 1, 2, 4 (3-4), 8 (5-8), ..., 64, then 65+ as 128."""
     b = 1
@@ -509,13 +526,7 @@ class GoodputGuard:
         if cap <= 0:
             return
         d = self.cfg.content_decay
-        emitted = [a + 1 for _k, a in seqs]
-        tokens = float(sum(emitted))
-        if len(seqs) == 1:
-            e, a = emitted[0], seqs[0][1]
-            need = [e / (min(a, kk) + 1) for kk in range(cap + 1)]
-        else:
-            need = [sum(e / (min(a, kk) + 1) for e, (_k, a) in zip(emitted, seqs)) for kk in range(cap + 1)]
+        tokens, need = _need([a for _k, a in seqs], cap)
         b.add_content(cap, d, tokens, need)
 
     def observe_shadow(self, n: int, seqs) -> None:
@@ -536,13 +547,12 @@ class GoodputGuard:
             if not 0 <= a <= k <= k_max:
                 raise ValueError(f"guard observe_shadow: accepted {a} / drafted {k} outside 0 <= a <= k <= {k_max}")
         d = self.cfg.content_decay
-        emitted = [a + 1 for _k, a in seqs]
-        tokens = float(sum(emitted))
+        tokens, need = _need([a for _k, a in seqs], k_max)
         if b.shadow is None:
             b.shadow = {kk: [0.0, 0.0, 0] for kk in range(k_max + 1)}
         for kk, c in b.shadow.items():
             c[0] = d * c[0] + tokens
-            c[1] = d * c[1] + sum(e / (min(a, kk) + 1) for e, (_k, a) in zip(emitted, seqs))
+            c[1] = d * c[1] + need[kk]
             c[2] += 1
         self._probe_on_content(b)
 
