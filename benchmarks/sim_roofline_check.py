@@ -6,7 +6,8 @@
 For every measured step of the profile (its `sample_shapes`: the real scheduler's StepShape) the roofline
 (sim/cost_model.py Roofline, this hardware's catalog entry) predicts a time; the table gives measured/predicted
 per step kind at the catalog defaults (MFU 0.5, MBU 0.8, 2 ms per step, 10 us per layer) and after fitting
-MFU, MBU and the per-step overhead to the measured steps (a grid search on the median |log ratio|), beside the
+MFU, MBU and the per-step overhead to the measured steps (sim/calibrate.py fit_roofline, what `tokenmill sim
+calibrate` reports on a GPU of the catalog: a grid search on the median |log ratio|, ties broken by the mean), beside the
 profile's own linear fit. What it says: how far the catalog entry is from this engine on that GPU, and which
 term is off (compute-bound prefill, bandwidth-bound decode, fixed cost).
 """
@@ -23,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tokenmill.sim.calibrate import fit_roofline  # noqa: E402
 from tokenmill.sim.cost_model import FEATURES, Roofline, RooflineParams, StepShape, step_kind  # noqa: E402
 from tokenmill.sim.hardware import get_hardware  # noqa: E402
 from tokenmill.sim.models import get_model  # noqa: E402
@@ -61,14 +63,8 @@ def main(argv=None) -> int:
         return np.array([r.step_s(s) for s in shapes])
 
     default = RooflineParams()
-    best, best_err = default, float("inf")
-    for mfu in (0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7):
-        for mbu in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
-            for ov in (0.5e-3, 1e-3, 2e-3, 3e-3, 4e-3, 5e-3, 6e-3, 8e-3):
-                p = RooflineParams(mfu=mfu, mbu=mbu, step_overhead_s=ov)
-                e = float(np.median(np.abs(np.log(predict(p) / meas))))
-                if e < best_err:
-                    best, best_err = p, e
+    fit = fit_roofline(shapes, meas, model, hw)  # the same fit `tokenmill sim calibrate` reports on a GPU
+    best = RooflineParams(mfu=fit["mfu"], mbu=fit["mbu"], step_overhead_s=fit["step_overhead_ms"] / 1000)
     print(f"# profile {args.profile}: {prof['isa']}; engine {prof['engine'].get('device', 'cpu')} "
           f"{prof['engine']['dtype']}, cuda_graphs={prof['engine'].get('cuda_graphs', False)}; {len(shapes)} steps")
     print(f"# model {model.name} ({model.layers} layers); hardware {hw.name} (catalog: "

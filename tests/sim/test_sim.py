@@ -535,3 +535,25 @@ def test_discarding_the_router_metrics_changes_nothing(tmp_path, monkeypatch):
         text = routers[-1].metrics.render().decode()
         assert "tokenmill_router_routed_requests_total{" in text
     assert rejected > 0  # the overloaded case refused some (admission's metric paths ran)
+
+
+def test_fit_roofline_recovers_the_roofline_that_made_the_steps():
+    """`tokenmill sim calibrate` on a GPU fits MFU, MBU and the step overhead of the roofline to the measured
+    steps (calibrate.fit_roofline): steps a known roofline produced give that roofline back."""
+    from tokenmill.sim.calibrate import fit_roofline
+    from tokenmill.sim.cost_model import Roofline, RooflineParams
+    from tokenmill.sim.hardware import get_hardware
+    from tokenmill.sim.models import get_model
+
+    model, hw = get_model("llama-3.1-8b"), get_hardware("h200")
+    truth = Roofline(model, hw, RooflineParams(mfu=0.3, mbu=0.5, step_overhead_s=0.003))
+    shapes = [StepShape(tokens=d, decode_seqs=d, attn_pairs=d * c, decode_ctx=d * c, logits=d)
+              for d in (1, 8, 32, 128) for c in (256, 1024, 4096)]
+    shapes += [StepShape(tokens=p, prefill_tokens=p, attn_pairs=p * (p + 1) / 2, logits=1) for p in (512, 2048, 8192)]
+    fit = fit_roofline(shapes, [truth.step_s(s) for s in shapes], model, hw)
+    assert (fit["mfu"], fit["mbu"], fit["step_overhead_ms"]) == (0.3, 0.5, 3.0)
+    assert fit["median_abs_rel_error"] < 1e-9
+    # and a slower engine is fitted as one: the catalog's defaults would be ~2x off on these decode steps
+    slow = Roofline(model, hw, RooflineParams(mfu=0.5, mbu=0.2, step_overhead_s=0.006))
+    fit = fit_roofline(shapes, [slow.step_s(s) for s in shapes], model, hw)
+    assert (fit["mfu"], fit["mbu"], fit["step_overhead_ms"]) == (0.5, 0.2, 6.0)
