@@ -557,3 +557,20 @@ def test_fit_roofline_recovers_the_roofline_that_made_the_steps():
     slow = Roofline(model, hw, RooflineParams(mfu=0.5, mbu=0.2, step_overhead_s=0.006))
     fit = fit_roofline(shapes, [slow.step_s(s) for s in shapes], model, hw)
     assert (fit["mfu"], fit["mbu"], fit["step_overhead_ms"]) == (0.5, 0.2, 6.0)
+
+
+def test_calibrate_reports_the_roofline_fit_on_a_catalog_gpu(monkeypatch):
+    """The GPU-only branch of calibrate (the device's name matched in the hardware catalog), run with the
+    measured samples of a CPU: the profile gets `roofline_fit` and the log the `tokenmill sim` flags."""
+    from tokenmill.sim import calibrate as cal
+
+    monkeypatch.setattr(cal, "gpu_catalog_name", lambda device: "h200" if device.startswith("cuda") else None)
+    samples = [(StepShape(tokens=d, decode_seqs=d, attn_pairs=d * 300, decode_ctx=d * 300, logits=d), 0.004 + 1e-4 * d)
+               for d in (1, 4, 16, 64)]
+    lines = []
+    out = cal._roofline_fit("demo", "cuda:0", "torch.bfloat16", samples, 0.3, lines.append)
+    fit = out["roofline_fit"]
+    assert fit["hardware"] == "h200" and fit["linear_median_abs_rel_error"] == 0.3 and fit["steps"] == 4
+    assert "--hardware h200 --mfu" in lines[0]
+    assert cal._roofline_fit("demo", "cpu", "torch.bfloat16", samples, 0.3, lines.append) == {}
+    assert cal._roofline_fit("demo", "cuda:0", "torch.float32", samples, 0.3, lines.append) == {}
