@@ -194,11 +194,9 @@ def fit_roofline(shapes: list[StepShape], times, model, hw, dtype: str = "bf16",
 
     r = Roofline(model, hw, RooflineParams(dtype=dtype, kv_bytes=kv_bytes, mfu=1.0, mbu=1.0, step_overhead_s=0.0))
     t = np.asarray(times, dtype=float)
-    # at MFU = MBU = 1 and no step overhead: compute seconds, memory seconds and the per-layer term, per step
-    comp = np.array([(r._linear * s.tokens + r._head * s.logits + r._pair * s.attn_pairs) / r._flops for s in shapes])
-    mem = np.array([((r._weights_dense if r._weights_dense is not None else model.weight_params_read(s.tokens)
-                      * r.p.weight_bytes) + r._kv * (s.decode_ctx + s.prefill_ctx + s.tokens)) / r._bw for s in shapes])
-    fixed = r._fixed
+    # at MFU = MBU = 1 and no step overhead: compute seconds and memory seconds per step, and the per-layer term
+    comp, mem = np.array([r.bound_s(s) for s in shapes]).T
+    fixed = r.fixed_s
 
     def err(mfu, mbu, ov):
         pred = np.maximum(comp / mfu, mem / mbu) + fixed + ov

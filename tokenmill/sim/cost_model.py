@@ -188,12 +188,23 @@ class Roofline(CostModel):
         self._fixed = p.step_overhead_s + model.layers * p.layer_overhead_s
         self._weights_dense = None if model.moe else model.weight_params_read(1) * p.weight_bytes
 
+    @property
+    def fixed_s(self) -> float:
+        """Seconds every step pays besides compute and memory (step overhead + per-layer launches)."""
+        return self._fixed
+
+    def bound_s(self, s: StepShape) -> tuple[float, float]:
+        """The step's compute seconds and memory seconds at this roofline's MFU and MBU (step_s: their max plus
+        the fixed cost; calibrate.fit_roofline: the same terms at MFU = MBU = 1)."""
+        flops = self._linear * s.tokens + self._head * s.logits + self._pair * s.attn_pairs
+        weights = (self._weights_dense if self._weights_dense is not None
+                   else self.model.weight_params_read(s.tokens) * self.p.weight_bytes)
+        kv = self._kv * (s.decode_ctx + s.prefill_ctx + s.tokens)
+        return flops / self._flops, (weights + kv) / self._bw
+
     def step_s(self, s: StepShape) -> float:
         m, p = self.model, self.p
-        flops = self._linear * s.tokens + self._head * s.logits + self._pair * s.attn_pairs
-        weights = self._weights_dense if self._weights_dense is not None else m.weight_params_read(s.tokens) * p.weight_bytes
-        kv = self._kv * (s.decode_ctx + s.prefill_ctx + s.tokens)
-        t = max(flops / self._flops, (weights + kv) / self._bw) + self._fixed
+        t = max(self.bound_s(s)) + self._fixed
         if p.tp > 1:
             per = 2 * (p.tp - 1) / p.tp * s.tokens * m.hidden * 2.0 / self.hw.link_bw + self.hw.link_latency_s
             t += 2 * m.layers * per

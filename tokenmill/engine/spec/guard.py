@@ -268,6 +268,11 @@ class _Bucket:
     @property
     def cf(self) -> dict[int, _Window]:
         """The content-matched windows, with every observed step in them."""
+        self._add_run()
+        return self._cf
+
+    def _add_run(self) -> None:
+        """The steps of the pending run into every window W <= its cap, in one pass."""
         run = self._cf_run
         if run is not None:
             self._cf_run = None
@@ -281,13 +286,12 @@ class _Bucket:
                 win.tokens = dm * win.tokens + tokens
                 win.need = [dm * x + y for x, y in zip(win.need, need)]
                 win.samples += m
-        return self._cf
 
     def add_content(self, cap: int, d: float, tokens: float, need: list[float]) -> None:
         """One step's content under `cap` (GoodputGuard._content): into the run, or a new run (the old one added)."""
         run = self._cf_run
         if run is not None and (run[0] != cap or run[2] != d):
-            self.cf  # noqa: B018 (adds the run)
+            self._add_run()
             run = None
         if run is None:
             self._cf_run = [cap, 1, d, tokens, need]
