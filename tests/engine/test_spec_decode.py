@@ -556,3 +556,14 @@ def test_auto_counts_the_time_between_back_to_back_steps(monkeypatch):
     while eng.has_unfinished_requests():
         eng.step()
     assert seen and all(s < 0.2 for s in seen), [round(s * 1e3, 1) for s in seen]
+
+
+def test_ngram_byte_images_are_dropped_with_their_requests():
+    """The n-gram proposer's per-request token bytes (lookup key=) go when the request ends: no growth over
+    a server's lifetime."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM("demo", speculative_model="ngram", num_speculative_tokens="auto", num_threads=1)
+    prompts = [[5, 6, 7, 8] * 10 + [i] for i in range(6)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert llm.engine.spec.proposer._bufs == {}

@@ -264,7 +264,6 @@ class _Bucket:
         # would have needed, samples]; None until the decoder sends any (a proposer without free lookups)
         self.shadow: dict[int, list[float]] | None = None
 
-
     @property
     def cf(self) -> dict[int, _Window]:
         """The content-matched windows, with every observed step in them."""
