@@ -152,13 +152,18 @@ def run(args, fake: bool) -> int:
                "graphs": dict(cuda_graphs=True, max_model_len=512),
                "draft k4 + graphs": dict(speculative_model="demo-draft", num_speculative_tokens=4, cuda_graphs=True,
                                          max_model_len=512)}
+    # --batch-invariant on (fixed tiles, model/invariant.py): bf16 greedy output with speculation vs the same mode's
+    # plain engine (its first row is the reference of the rows after it)
+    invariant = {f"{name} + invariant": dict(kw, batch_invariant="on")
+                 for name, kw in configs.items() if "graphs" not in name}
     if "lossless" in sections:
         rows = []
         print("\n| dtype | config | sequences differing from plain | of | preemptions | failed requests | s |\n"
               "|---|---|---:|---:|---:|---:|---:|")
-        for dtype in ("float32", "bfloat16"):
+        groups = [("float32", configs), ("bfloat16", configs), ("bfloat16", invariant)]
+        for dtype, group in groups:
             ref = None
-            for name, kw in configs.items():
+            for name, kw in group.items():
                 t = time.perf_counter()
                 try:
                     llm = LLM("demo", device="cuda", dtype=dtype, kv_cache_bytes="6MiB", max_num_seqs=48, **kw)

@@ -8,7 +8,9 @@
 #      (benchmarks/sim_roofline_check.py reads the profile)
 #   3. benchmarks/gpu_precision.py on the same model: batch-1 decode vs the HBM roofline, bf16 / fp8 / graphs
 #   4. scripts/serve_smoke.sh: `tokenmill serve --device cuda --cuda-graphs` with the draft model, end to end
-# PARTS="cuda_check serve" runs a subset (names as in the `part` lines).
+#   lossless / step_profile(_graphs): cuda_check's lossless section alone (with `--batch-invariant on`: fixed tiles,
+#      model/invariant.py), and benchmarks/cuda_step_profile.py (where an eager step's time goes)
+# PARTS="cuda_check serve" runs a subset (names as in the `part` lines); the default is the session-23 set.
 # Each part has its own time limit, so one that hangs or fails leaves the others their time.
 set -u
 OUT=${OUT:-/tmp/device}
@@ -33,6 +35,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 part cuda_check "${T_CHECK:-170}" python3 scripts/cuda_check.py --out /tmp/cc
 cp /tmp/cc/result.json "$OUT/cuda_check.json" 2>/dev/null
+part lossless "${T_LOSSLESS:-240}" python3 scripts/cuda_check.py --sections lossless --out /tmp/ccl
+cp /tmp/ccl/result.json "$OUT/cuda_lossless.json" 2>/dev/null
+part step_profile "${T_PROF:-120}" python3 benchmarks/cuda_step_profile.py --batch 1 8 32
+part step_profile_graphs "${T_PROFG:-90}" python3 benchmarks/cuda_step_profile.py --batch 1 8 32 --cuda-graphs --top 10
 part make_model "${T_MAKE:-60}" python3 -c "from tokenmill.model.make import make_model; \
 make_model('llama-3.1-8b', '$M8', dtype='bfloat16', overrides={'num_hidden_layers': 8})"
 part calibrate "${T_CAL:-110}" python3 -m tokenmill sim calibrate --model "$M8" --device cuda --dtype bfloat16 \

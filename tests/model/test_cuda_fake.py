@@ -170,3 +170,34 @@ def test_kv_tiers_store_and_load_through_the_cuda_path(tiny_dir, tmp_path):
     host = llm.engine.tiers.stats()["host"]
     assert host["stores"] >= 4 and host["loaded_blocks"] >= 4
     assert again[0].num_cached_tokens == 64
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(speculative_model="ngram", num_speculative_tokens=3),
+                                dict(speculative_model="demo-draft", num_speculative_tokens="auto")],
+                         ids=["plain", "ngram", "draft-auto"])
+def test_batch_invariant_on_cuda_runs_by_fixed_tiles(kw, monkeypatch):
+    """`--batch-invariant on` on CUDA (model/invariant.py): every step's attention through the fixed-tile decode
+    attention (prompt rows too: the strict layout), on the device."""
+    from tokenmill.model import invariant
+
+    calls = []
+    real = invariant.decode_attention
+    monkeypatch.setattr("tokenmill.model.attention.decode_attention",
+                        lambda q, *a: (calls.append((q.device.type, q.shape[0])), real(q, *a))[1])
+    fc, llm, outs = _generate("demo", max_tokens=5, dtype="bfloat16", batch_invariant="on", **kw)
+    eng = llm.engine
+    assert eng.batch_invariant and eng.runner.tiles and eng.runner.invariant_attention == "strict"
+    assert {dev for _, dev, _ in fc.outputs} == {"cuda"}
+    assert [o.outputs[0].token_ids for o in outs] == [[fc.token] * 5] * 2
+    assert calls and {d for d, _ in calls} == {"cuda"}
+    assert max(n for _, n in calls) > 2  # the prompts' rows attended as decode rows
+
+
+@pytest.mark.parametrize("kw, named", [(dict(cuda_graphs=True, max_model_len=512), "cuda-graphs"),
+                                       (dict(quantization="fp8"), "quantization fp8"),
+                                       (dict(kv_cache_dtype="fp8"), "kv-cache-dtype fp8")])
+def test_batch_invariant_on_cuda_refuses_what_fixed_tiles_cannot_cover(kw, named):
+    with fake_cuda():
+        with pytest.raises(ModelLoadError, match=f"batch_invariant.*{named}"):
+            LLM("demo", device="cuda", dtype="bfloat16", batch_invariant="on", **kw)
+        assert not LLM("demo", device="cuda", dtype="bfloat16").engine.batch_invariant  # auto: off on CUDA

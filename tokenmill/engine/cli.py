@@ -56,7 +56,8 @@ def add_engine_args(p, default_model: str = "demo") -> None:
                    help="every row of a linear gets the same bits whatever the step's row count, so greedy output "
                         "does not depend on batching and greedy speculation equals the output without it; auto: on "
                         "for bf16 where the engine's own any-row kernels exist (AMX, AVX-512 BF16), off for fp32; "
-                        "strict: also every prompt row attended as a decode row (prefill ~0.7x) (default: auto)")
+                        "strict: also every prompt row attended as a decode row (prefill ~0.7x); on CUDA, on/strict "
+                        "compute every step by fixed tiles (slower; not with --cuda-graphs) (default: auto)")
     p.add_argument("--kv-load-timeout", type=float, default=1.0, metavar="SECONDS",
                    help="a KV tier load still running after this long is abandoned and the request recomputes "
                         "(a hung or very slow disk); default 1.0")

@@ -71,7 +71,16 @@ class LLMEngine:
             raise ModelLoadError(f"cuda_graphs (--cuda-graphs) needs a CUDA device; the engine is on {self.device}")
         self.runner = ModelRunner(model, cfg, self.device, self.dtype, num_blocks, c.block_size, window,
                                   kv_dtype=self.kv_dtype, scratch_block=c.cuda_graphs)
-        if c.batch_invariant in ("on", "strict") and not (self.device.type == "cpu" and small_bits_kernels(model)):
+        cuda_tiles = self.device.type == "cuda" and c.batch_invariant in ("on", "strict")
+        if cuda_tiles and (c.quantization != "none" or self.kv_dtype != self.dtype or c.cuda_graphs):
+            why = (f"--quantization {c.quantization}" if c.quantization != "none" else
+                   "--cuda-graphs (a captured decode step is not computed by fixed tiles)" if c.cuda_graphs else
+                   f"--kv-cache-dtype {c.kv_cache_dtype}")
+            raise ModelLoadError(
+                f"batch_invariant={c.batch_invariant!r} (--batch-invariant) on CUDA computes every step by fixed "
+                f"tiles in the model's own dtype (model/invariant.py); not with {why}. Use --batch-invariant off")
+        if not cuda_tiles and c.batch_invariant in ("on", "strict") and not (
+                self.device.type == "cpu" and small_bits_kernels(model)):
             why = (f"the engine is on {self.device.type}" if self.device.type != "cpu" else
                    f"--quantization {c.quantization}" if c.quantization != "none" else
                    "no C++ CPU kernels (TOKENMILL_CPU_KERNELS=0, or they did not build here)")
@@ -81,7 +90,9 @@ class LLMEngine:
         self.batch_invariant = c.batch_invariant in ("on", "strict") or (
             c.batch_invariant == "auto" and self.device.type == "cpu" and any_row_bits_kernels(model))
         self.runner.batch_invariant = self.batch_invariant
-        self.runner.invariant_attention = "strict" if c.batch_invariant == "strict" else "on"
+        # on CUDA every row attends as a decode row (fixed tiles have no prefill kernel whose chunking is invariant)
+        self.runner.invariant_attention = "strict" if c.batch_invariant == "strict" or cuda_tiles else "on"
+        self.runner.tiles = cuda_tiles
         if c.cuda_graphs:
             from tokenmill.engine import graphs
 

@@ -14,6 +14,7 @@ import torch
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.model.attention import SCALED_KV_CACHES, AttentionMetadata, KVBlockGroups, ScaledKVCache, SeqSpan
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.invariant import fixed_tiles
 from tokenmill.model.linear import small_row_bits, small_row_limit
 from tokenmill.model.llama import LlamaModel
 
@@ -97,6 +98,7 @@ class ModelRunner:
         # chunking), the generated tokens' rows as decode rows (also when recomputed after a preemption); "strict":
         # every row as a decode row (also a prompt that holds an earlier answer whose KV was evicted: prefill ~0.7x)
         self.invariant_attention = "on"
+        self.tiles = False  # batch-invariant on CUDA: every step by fixed tiles (model/invariant.py), rows as decode rows
         # decode-only steps (one token per sequence, no drafts): inputs built in one pass, one tensor for the four
         # per-token rows (see _execute_decode); False (or TOKENMILL_DECODE_FAST_PATH=0): the general path below
         from tokenmill.model.fused_decode import fast_path_by_env
@@ -211,6 +213,11 @@ class ModelRunner:
             _index_copy(t, d, idx, src)
             off += per
 
+    def _bits(self, on: bool):
+        """The context a step's model call runs in: a batch-invariant engine on CUDA computes by fixed tiles
+        (model/invariant.py; `tiles`), the CPU with the small-row kernels' bits where `on` (linear.small_row_bits)."""
+        return fixed_tiles(True) if self.tiles else small_row_bits(on)
+
     def _tensor(self, data, dtype=torch.long) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
         return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
@@ -297,7 +304,7 @@ class ModelRunner:
         # verify rows get the linear kernels' bits of the step without drafts (lossless greedy in bf16: see
         # linear.small_row_bits); a step without drafts is unchanged
         small = self.small_rows
-        with small_row_bits(self.batch_invariant or base_rows <= small < len(input_ids)):
+        with self._bits(self.batch_invariant or base_rows <= small < len(input_ids)):
             hidden = self.model(self._tensor(input_ids), self._tensor(positions), self.kv_caches, meta)
         if not logits_idx:
             return ModelOutput(torch.empty(0, self.cfg.vocab_size), offsets)
@@ -309,7 +316,7 @@ class ModelRunner:
             tokens = self.model.greedy_tokens(hidden)  # the packed head is batch-invariant: no small_row_bits
             if tokens is not None:
                 return ModelOutput(hidden.new_empty(0, self.cfg.vocab_size), offsets, tokens)
-        with small_row_bits(self.batch_invariant or base_logits <= small < len(logits_idx)):
+        with self._bits(self.batch_invariant or base_logits <= small < len(logits_idx)):
             logits = self.model.compute_logits(hidden, float32=float_logits)
         return ModelOutput(logits, offsets)
 
@@ -332,7 +339,7 @@ class ModelRunner:
             hidden = self.graphs.run(ids, pos, slots, ctx, tables)
             return self._decode_output(hidden, n, float_logits, greedy)
         rows, meta = self._decode_rows(ids, pos, slots, ctx, tables)
-        with small_row_bits(self.batch_invariant):
+        with self._bits(self.batch_invariant):
             hidden = self.model(rows[0], rows[1], self.kv_caches, meta)
             return self._decode_output(hidden, n, float_logits, greedy)
 
@@ -382,13 +389,13 @@ class ModelRunner:
         rows, meta = self._decode_rows(ids, pos, slots, ctx, tables)
         # as the general path: the rows without drafts are one per sequence (lossless greedy in bf16: small_row_bits)
         bits = self.batch_invariant or len(sched.seqs) <= self.small_rows < n
-        with small_row_bits(bits):
+        with self._bits(bits):
             hidden = self.model(rows[0], rows[1], self.kv_caches, meta)
         if greedy:
             tokens = self.model.greedy_tokens(hidden)
             if tokens is not None:
                 return ModelOutput(hidden.new_empty(0, self.cfg.vocab_size), offsets, tokens)
-        with small_row_bits(bits):
+        with self._bits(bits):
             logits = self.model.compute_logits(hidden, float32=float_logits)
         return ModelOutput(logits, offsets)
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenmill.model.invariant import _ON as _TILES, decode_attention
+
 
 @dataclass
 class SeqSpan:
@@ -274,6 +276,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "t
     gqa = nh != kvh
     bs = cache.shape[3]
     spans = meta.spans
+    if spans and _TILES[0]:
+        raise RuntimeError("fixed tiles (batch-invariant on CUDA) attend every row as a decode row; the runner "
+                           "passed prefill spans")
     if spans and kernels is not None and _prefill_on() and q.stride(-1) == 1 and k.dtype == q.dtype == v.dtype:
         if meta.prefill_args is None:
             meta.prefill_args = _prefill_args(spans)
@@ -300,6 +305,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: "t
     if meta.decode_token_idx is not None:
         idx = meta.decode_token_idx
         d = idx.shape[0]
+        if _TILES[0] and not isinstance(cache, ScaledKVCache):  # batch-invariant on CUDA (model/invariant.py)
+            od = decode_attention(q.index_select(0, idx), kc, vc, meta.decode_block_tables, meta.decode_ctx_lens,
+                                  scale, meta.sliding_window)
+            out.index_copy_(0, idx, od)
+            return out
         if kernels is not None:  # K/V read in place from the cache, no padded gather
             if not meta.spans and d == q.shape[0]:  # a pure decode step: tokens are in order, no copies
                 kernels.paged_decode_attention(out, q, kc, vc, meta.decode_block_tables,

@@ -9,6 +9,7 @@ from torch import nn
 
 from tokenmill.model.config import RopeConfig
 from tokenmill.model.cpu_kernels import kernels_for
+from tokenmill.model.invariant import _ON as _TILES, by_row_tiles
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +20,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """norm(x); with `residual`, first x += residual in place (the decoder's residual stream)."""
+        if _TILES[0]:  # batch-invariant on CUDA: the row reductions in calls of a fixed row count (model/invariant.py)
+            if residual is not None:
+                x.add_(residual)
+            return by_row_tiles(self._norm, x)
         k = kernels_for(x)
         if k is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
             out = torch.empty_like(x)
@@ -26,6 +31,9 @@ class RMSNorm(nn.Module):
             return out
         if residual is not None:
             x.add_(residual)
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

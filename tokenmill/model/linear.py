@@ -17,6 +17,7 @@ from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.cpu_kernels import get_kernels, kernels_for
+from tokenmill.model.invariant import _ON as _TILES, ROW_TILE, by_row_tiles
 from tokenmill.model.row_buckets import onednn_rows
 
 
@@ -426,6 +427,8 @@ class Linear(nn.Module):
         self.method.create_weights(self, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _TILES[0] and x.dim() == 2 and x.shape[0] != ROW_TILE:  # batch-invariant on CUDA (model/invariant.py)
+            return by_row_tiles(lambda c: self.method.apply(self, c), x)
         return self.method.apply(self, x)
 
     def shard_range(self, shard: str) -> tuple[int, int]:

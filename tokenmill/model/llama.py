@@ -12,6 +12,7 @@ from torch import nn
 
 from tokenmill.model.attention import AttentionMetadata, paged_attention
 from tokenmill.model.config import ModelConfig
+from tokenmill.model.invariant import _ON as _TILES, ROW_TILE, by_row_tiles
 from tokenmill.model.cpu_kernels import kernels_for
 from tokenmill.model.layers import RMSNorm, RotaryEmbedding
 from tokenmill.model.lm_head import Avx2Int8Head, Int8PackedHead, PackedHead
@@ -162,9 +163,11 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden] (`meta.logits_rows` set: [R, hidden], those
         rows only; the last layer skips the others past its attention)."""
         x = self.embed_tokens(input_ids)
-        if self.fused is not None and self.fused.applies(x, meta) and positions.dtype == torch.int64:
+        if _TILES[0]:  # batch-invariant on CUDA: every module by fixed tiles (model/invariant.py), no fused stack
+            pass
+        elif self.fused is not None and self.fused.applies(x, meta) and positions.dtype == torch.int64:
             return self.fused(x, positions, self.rope, kv_caches, meta)
-        if self.fused_mixed is not None and self.fused_mixed.applies(x, meta) and positions.dtype == torch.int64:
+        elif self.fused_mixed is not None and self.fused_mixed.applies(x, meta) and positions.dtype == torch.int64:
             return self.fused_mixed(x, positions, self.rope, kv_caches, meta)
         last = len(self.layers) - 1
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
@@ -179,6 +182,8 @@ class LlamaModel(nn.Module):
     def compute_logits_plain(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """`compute_logits` without entering inference mode (~2 us a call): for callers already inside it (the
         speculative draft loop calls the head once per draft token)."""
+        if _TILES[0] and hidden.shape[0] != ROW_TILE:  # batch-invariant on CUDA: fixed row tiles (model/invariant.py)
+            return by_row_tiles(lambda h: self.compute_logits_plain(h, float32), hidden)
         if self.packed_head is not None and self.packed_head.applies(hidden):
             logits = self.packed_head.logits(hidden)
         elif self.lm_head is None:
