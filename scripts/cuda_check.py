@@ -83,6 +83,9 @@ def main(argv=None) -> int:
     ap.add_argument("--presets", default="tiny,tiny-llama3,tiny-mistral,tiny-qwen2,tiny-qwen3")
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--speed-configs", default=None,
+                    help="comma-separated config names for the speed and batch sections (default: every config "
+                         "without '+ invariant'); e.g. 'plain,plain + invariant,ngram auto + invariant'")
     args = ap.parse_args(argv)
     if args.fake_cuda:
         from tokenmill.testing.fake_cuda import fake_cuda
@@ -188,11 +191,19 @@ def run(args, fake: bool) -> int:
                       flush=True)
         result["lossless"] = rows
 
+    every = {**configs, **invariant}
+    if args.speed_configs:
+        unknown = [n for n in args.speed_configs.split(",") if n not in every]
+        if unknown:
+            raise SystemExit(f"--speed-configs: unknown {unknown}; choose from {list(every)}")
+        speed_configs = {n: every[n] for n in args.speed_configs.split(",")}
+    else:
+        speed_configs = configs
     if "speed" in sections:
         rows = []
         print("\n| config (bf16, batch 1) | ms / output token | x plain |\n|---|---:|---:|")
         base = None
-        for name, kw in configs.items():
+        for name, kw in speed_configs.items():
             try:
                 llm = LLM("demo", device="cuda", dtype="bfloat16", **kw)
                 prompts = heldout_code_prompts(llm.tokenizer, 4, 200)
@@ -220,7 +231,7 @@ def run(args, fake: bool) -> int:
         print(f"\n| config (bf16, {args.batch} requests at once) | output tok/s | x plain | differ from plain |\n"
               "|---|---:|---:|---:|")
         base = ref = None
-        for name, kw in configs.items():
+        for name, kw in speed_configs.items():
             try:
                 llm = LLM("demo", device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch, 8), **kw)
                 prompts = heldout_code_prompts(llm.tokenizer, args.batch, 200)

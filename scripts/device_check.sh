@@ -39,6 +39,12 @@ part lossless "${T_LOSSLESS:-240}" python3 scripts/cuda_check.py --sections loss
 cp /tmp/ccl/result.json "$OUT/cuda_lossless.json" 2>/dev/null
 part step_profile "${T_PROF:-120}" python3 benchmarks/cuda_step_profile.py --batch 1 8 32
 part step_profile_graphs "${T_PROFG:-90}" python3 benchmarks/cuda_step_profile.py --batch 1 8 32 --cuda-graphs --top 10
+part speed_invariant "${T_SPEEDI:-200}" python3 scripts/cuda_check.py --sections speed,batch --out /tmp/ccs \
+  --speed-configs "plain,plain + invariant,ngram auto,ngram auto + invariant,draft auto + invariant"
+cp /tmp/ccs/result.json "$OUT/cuda_speed_invariant.json" 2>/dev/null
+part serve_invariant "${T_SERVEI:-120}" env SMOKE_OUT=/tmp/serve_smoke_inv bash scripts/serve_smoke.sh --device cuda \
+  --batch-invariant on --speculative-model ngram --num-speculative-tokens auto
+part serve_eager "${T_SERVEE:-120}" env SMOKE_OUT=/tmp/serve_smoke_eager PORT=18124 bash scripts/serve_smoke.sh --device cuda
 part make_model "${T_MAKE:-60}" python3 -c "from tokenmill.model.make import make_model; \
 make_model('llama-3.1-8b', '$M8', dtype='bfloat16', overrides={'num_hidden_layers': 8})"
 part calibrate "${T_CAL:-110}" python3 -m tokenmill sim calibrate --model "$M8" --device cuda --dtype bfloat16 \

@@ -19,6 +19,6 @@ echo "--- bad input (max_tokens -1): expect 400"
 curl -s -o /dev/stderr -w '%{http_code}\n' $U/v1/completions -H 'content-type: application/json' \
   -d '{"model":"demo","prompt":"x","max_tokens":-1}'
 echo "--- still answering: $(curl -s -o /dev/null -w '%{http_code}' $U/v1/completions -H 'content-type: application/json' -d '{"model":"demo","prompt":"x","max_tokens":4}')"
-echo "--- metrics"; curl -s $U/metrics | grep -E '^(vllm:spec_decode_num_(drafts|accepted_tokens)|tokenmill_batch_invariant|vllm:generation_tokens_total)' | head
+echo "--- metrics"; curl -s $U/metrics | grep -E '^(vllm:spec_decode_num_(drafts|accepted_tokens)|tokenmill_batch_invariant|vllm:generation_tokens_total|tokenmill_engine_steps_total)' | head
 echo "--- bench"; timeout 120 $PY -m tokenmill bench --target $U --workload chat --rate 4 --num-requests 40 --out "$OUTD/bench" 2>&1 | tail -n 15
 kill -INT $PID; wait $PID; echo "--- serve exited rc=$?"; tail -n 5 "$OUTD/serve.log"
