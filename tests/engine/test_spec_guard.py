@@ -702,3 +702,37 @@ def test_need_equals_the_per_cap_sum():
         assert tokens == sum(a + 1 for a in acc)
         assert need == pytest.approx([sum((a + 1) / (min(a, kk) + 1) for a in acc) for kk in range(cap + 1)],
                                      rel=1e-12)
+
+
+def _drive_noisy_repeat(cfg: GuardConfig, n: int, steps: int, seed: int = 0):
+    """n sequences, every draft kept (a long repeated span: the largest cap is best on content), shadow proposals
+    priced every step (as the decoder does for n-gram), step seconds flat in the cap (+0.2% per drafted token)
+    with +-10% noise: a small batch, where rows cost little. Returns the guard and the caps probed after warm-up."""
+    import random
+
+    rnd = random.Random(seed)
+    g = GoodputGuard(cfg)
+    probed = []
+    for i in range(steps):
+        c = g.cap(n, suggest=cfg.k_max)
+        b = g.buckets[bucket(n)]
+        g.observe_shadow(n, [(cfg.k_max, cfg.k_max)] * n)
+        s = 0.001 * n ** 0.5 * (1 + 0.002 * c) * rnd.uniform(0.9, 1.1)
+        g.observe(n, c, n * (c + 1), s, [(c, c)] * n)
+        if i > 2000 and b.probe_arm is not None and b.probe_left == 0:
+            probed.append(b.probe_arm)
+    return g, probed
+
+
+def test_small_shadow_buckets_probe_only_off_periodically():
+    """n-gram at batch 1 (session 24): a neighbour's 8-step probe there measures the machine's noise, not the cap;
+    below neighbor_probe_min the periodic probe is off only, so a steady bucket stays on the best cap. The old rule
+    (every other periodic probe a neighbour: neighbor_probe_min=1) probes neighbours and, with noise, switches."""
+    g, probed = _drive_noisy_repeat(GuardConfig(k_max=8), 1, 20000)
+    assert probed and set(probed) == {0}, probed
+    assert g.current(1) == 8
+    old, probed_old = _drive_noisy_repeat(GuardConfig(k_max=8, neighbor_probe_min=1), 1, 20000)
+    assert set(probed_old) - {0}, probed_old  # the scenario discriminates: neighbours probed under the old rule
+    # from 16 sequences up the neighbours are probed as before
+    big, probed_big = _drive_noisy_repeat(GuardConfig(k_max=8), 16, 20000)
+    assert set(probed_big) - {0}, probed_big
