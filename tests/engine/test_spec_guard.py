@@ -736,3 +736,24 @@ def test_small_shadow_buckets_probe_only_off_periodically():
     # from 16 sequences up the neighbours are probed as before
     big, probed_big = _drive_noisy_repeat(GuardConfig(k_max=8), 16, 20000)
     assert set(probed_big) - {0}, probed_big
+
+
+def test_a_new_bucket_starts_at_the_nearest_running_cap_with_free_probes():
+    """n-gram (free probes): a new batch size starts at the cap the nearest bucket runs, not off, and its first
+    periodic probe is off (the reference measured at the new size); a draft model's guard still starts off."""
+    g = GoodputGuard(GuardConfig(k_max=8, free_probes=True))
+    assert g.cap(8) == 0  # the first bucket: nothing to start from
+    g.buckets[8].cur = 6
+    g.buckets[1] = b1 = type(g.buckets[8])(8, 24, 11)
+    b1.size, b1.cur = 1, 8
+    first = [g.cap(32) for _ in range(40)]
+    assert first[0] == 6  # bucket 8 is nearer to 32 than bucket 1
+    assert set(first) == {6, 0} and first.index(0) > 10  # on at 6 until the first periodic probe: off
+    d = GoodputGuard(GuardConfig(k_max=8))
+    d.cap(8)
+    d.buckets[8].cur = 6
+    assert d.cap(32) == 0
+    off = GoodputGuard(GuardConfig(k_max=8, free_probes=True, warm_start=False))
+    off.cap(8)
+    off.buckets[8].cur = 6
+    assert off.cap(32) == 0

@@ -144,6 +144,8 @@ class GuardConfig:
     # the base interval from the cost model's suggestion (not at k = 1 after probe_every x size/4 steps: at 32
     # sequences that kept n-gram off for the first ~190-250 steps of a level, ~6% of a 10-s level, session 22)
     free_probes: bool = False
+    # with free_probes: a new bucket starts at the cap of the nearest bucket that runs one (not off); see cap()
+    warm_start: bool = True
 
     def __post_init__(self):
         if not 1 <= self.k_max <= 16:
@@ -334,7 +336,8 @@ class GoodputGuard:
     def cap(self, n: int, suggest: int | None = None) -> int:
         """The k for a step with n decoding sequences (advances the bucket's probe schedule). A bucket not
         seen yet starts off (k = 0: speculation must be measured to pay before it runs); `suggest` (the cost
-        model's choice) is the first k it probes, default k_max."""
+        model's choice) is the first k it probes, default k_max. With free probes (n-gram) and `warm_start` it
+        starts at the cap of the nearest bucket that runs one, if any (its first periodic probe is off)."""
         if bucket(n) not in self.buckets:
             b = self._get(n)
             b.cur = 0
@@ -352,6 +355,15 @@ class GoodputGuard:
             b.ladder = tuple(dict.fromkeys([b.seed] + [k for k in (2, 4, self.cfg.k_max) if k <= self.cfg.k_max]))
             b.base = b.interval = min(self.cfg.max_probe_every, self.cfg.probe_every * (1 if free else max(1, bk // 4)))
             b.next_probe = max(b.next_probe, b.interval)
+            if free and self.cfg.warm_start:
+                # n-gram: a new batch size starts at the cap of the nearest bucket that runs one, not off (whose
+                # ladder kept the first ~100 steps of a new load level off or probing: ~4% of a 10-s level at 32
+                # sequences, session 24); its first periodic probe is off, so a load where speculation loses is
+                # found within ~probe_every + probe_len steps
+                near = [(abs(other.bit_length() - bk.bit_length()), other) for other, ob in self.buckets.items()
+                        if other != bk and ob.cur > 0]
+                if near:
+                    b.cur = self.buckets[min(near)[1]].cur
         b = self._get(n)
         b.steps += 1
         if b.probe_left > 0:
