@@ -746,9 +746,19 @@ def test_a_new_bucket_starts_at_the_nearest_running_cap_with_free_probes():
     g.buckets[8].cur = 6
     g.buckets[1] = b1 = type(g.buckets[8])(8, 24, 11)
     b1.size, b1.cur = 1, 8
-    first = [g.cap(32) for _ in range(40)]
+    first = []
+    for _ in range(200):  # steps of 32 sequences: k = 6 and 2 pay (6 a little more), 4 and 8 less, off least
+        c = g.cap(32)
+        first.append(c)
+        g.observe(32, c, 32 * (1 + min(c, 3)), 0.01 * (1 + 0.02 * c) * (1.3 if c in (4, 8) else 1.0))
     assert first[0] == 6  # bucket 8 is nearer to 32 than bucket 1
-    assert set(first) == {6, 0} and first.index(0) > 10  # on at 6 until the first periodic probe: off
+    assert set(first[:23]) == {6} and first[23] == 0  # on at 6 until the first periodic probe: off
+    b = g.buckets[32]
+    assert b.warm and all(b.arms.get(k) is not None and b.arms[k].samples >= 8 for k in b.ladder)  # rungs measured
+    # ... by probes that followed one another (the current cap's 10 steps between them), not delayed by the
+    # off probe's cost (at 32 sequences off costs ~0.07 s a probe: the amortisation would wait ~300 steps)
+    assert first.index(b.ladder[-1], 23) < 23 + 20 * (len(b.ladder) + 1)
+    assert b.cur == 6 and g.current(32) == 6  # the best here: kept
     d = GoodputGuard(GuardConfig(k_max=8))
     d.cap(8)
     d.buckets[8].cur = 6

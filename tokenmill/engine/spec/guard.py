@@ -247,7 +247,7 @@ class _Window:
 class _Bucket:
     __slots__ = ("cur", "arms", "steps", "next_probe", "interval", "probe_arm", "probe_left", "num_probes",
                  "last_cap", "run", "seed", "base", "ladder", "pending", "win", "win_tail", "probe_cost", "_cf",
-                 "_cf_run", "last_probe", "shadow", "size")
+                 "_cf_run", "last_probe", "shadow", "size", "warm")
 
     def __init__(self, k_max: int, probe_every: int, first_probe: int):
         self.cur = k_max
@@ -280,6 +280,8 @@ class _Bucket:
         # content of the shadow proposals (observe_shadow), shadow[K'] = [tokens, sequence-steps K'
         # would have needed, samples]; None until the decoder sends any (a proposer without free lookups)
         self.shadow: dict[int, list[float]] | None = None
+        self.size = 0  # the bucket's batch size (1, 2, 4, ...)
+        self.warm = False  # started on at a neighbour's cap (warm_start): its ladder is probed while on
 
     @property
     def cf(self) -> dict[int, _Window]:
@@ -364,6 +366,7 @@ class GoodputGuard:
                         if other != bk and ob.cur > 0]
                 if near:
                     b.cur = self.buckets[min(near)[1]].cur
+                    b.warm = True  # off first, then its ladder's rungs at once: the best cap here may be far
         b = self._get(n)
         b.steps += 1
         if b.probe_left > 0:
@@ -399,6 +402,11 @@ class GoodputGuard:
                 return k
             on = [(self._ratio(b, k, 0), k) for k, a in b.arms.items() if k and a.samples]
             return max(on)[1] if on else b.seed
+        if b.warm and (k := self._next_rung(b)) is not None:
+            # warm-started: the off reference, then the ladder's rungs (the cap inherited from a neighbouring
+            # bucket may be far from this one's best: 8 at 8 sequences, 3-4 at 32 on code, session 24)
+            off = b.arms.get(0)
+            return 0 if off is None or off.samples < self.cfg.min_samples else k
         up = self._content_winner(b)
         if up is not None:
             return up
@@ -435,7 +443,7 @@ class GoodputGuard:
         cur = b.arms.get(b.cur)
         if cur is None or cur.samples < cfg.min_samples:
             return
-        if b.cur == 0 and self._next_rung(b) is not None:
+        if (b.cur == 0 or b.warm) and self._next_rung(b) is not None:
             # from off, the whole ladder is measured before any switch: a rung that beats off a little must not
             # win before a better one was tried (batch 1, draft: k = 1 won, k = 4 was never probed again). The
             # next rung follows at once, unless the rungs so far measurably cost (a big batch: a draft catch-up
@@ -503,13 +511,15 @@ class GoodputGuard:
                         spent += min(sec, self.cfg.outlier * mean) if mean > 0 else sec
                     cost = spent - w[1] / r
                     b.probe_cost = cost if b.probe_cost is None else 0.5 * (b.probe_cost + cost)
-                    ladder_open = b.cur == 0 and self._next_rung(b) is not None
+                    ladder_open = (b.cur == 0 or b.warm) and self._next_rung(b) is not None
                     # a confirming probe is not delayed; a ladder's next rung neither while the rungs' cost is under
                     # a probe's own length (a small batch: the undelayed ladder turns it on within ~200 steps) or a
                     # rung measured so far beats the current arm (a switch follows: the catch-ups are repaid)
                     wait = self._amortised(b)
+                    # (a warm-started bucket's rungs are n-gram caps on top of an on bucket: never delayed by
+                    # the cost of its off probe)
                     if b.pending is None and (not ladder_open or (
-                            wait > self.cfg.probe_len * len(b.ladder) and not self._rung_wins(b))):
+                            not b.warm and wait > self.cfg.probe_len * len(b.ladder) and not self._rung_wins(b))):
                         b.next_probe = max(b.next_probe, b.steps + wait)
 
     def _next_rung(self, b: _Bucket) -> int | None:
