@@ -361,7 +361,7 @@ class GoodputGuard:
                 # n-gram: a new batch size starts at the cap of the nearest bucket that runs one, not off (whose
                 # ladder kept the first ~100 steps of a new load level off or probing: ~4% of a 10-s level at 32
                 # sequences, session 24); its first periodic probe is off, so a load where speculation loses is
-                # found within ~probe_every + probe_len steps
+                # found within ~probe_every + probe_len steps, then its ladder's rungs follow while it runs on
                 near = [(abs(other.bit_length() - bk.bit_length()), other) for other, ob in self.buckets.items()
                         if other != bk and ob.cur > 0]
                 if near:
@@ -410,10 +410,15 @@ class GoodputGuard:
         up = self._content_winner(b)
         if up is not None:
             return up
-        if b.num_probes % 2 == 0 or (b.shadow is not None and b.size < self.cfg.neighbor_probe_min):
-            # keep the off reference measured at this batch size; with shadow content in a small bucket that is the
-            # only periodic probe (neighbor_probe_min)
-            return 0
+        if b.num_probes % 2 == 0:
+            return 0  # keep the off reference measured at this batch size
+        if b.shadow is not None and b.size < self.cfg.neighbor_probe_min:
+            # with shadow content in a small bucket the neighbour's slot is skipped, as if its probe had failed (the
+            # interval doubles; the next slot is off again): the off reference keeps its old frequency, not twice
+            # it (an off probe costs ~8 steps' tokens where every draft is kept: batch workload, session 24)
+            b.num_probes += 1
+            b.interval = min(self.cfg.max_probe_every_shadow, b.interval * 2)
+            return None
         step = 1 if (b.num_probes // 2) % 2 else -1
         for cand in (b.cur + step, b.cur - step):
             if 1 <= cand <= k_max:
