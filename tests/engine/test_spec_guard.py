@@ -744,8 +744,8 @@ def test_a_new_bucket_starts_at_the_nearest_running_cap_with_free_probes():
     g = GoodputGuard(GuardConfig(k_max=8, free_probes=True))
     assert g.cap(8) == 0  # the first bucket: nothing to start from
     g.buckets[8].cur = 6
-    g.buckets[1] = b1 = type(g.buckets[8])(8, 24, 11)
-    b1.size, b1.cur = 1, 8
+    g.buckets[1] = b1 = type(g.buckets[8])(8, 24, 11, 1)
+    b1.cur = 8
     first = []
     for _ in range(200):  # steps of 32 sequences: k = 6 and 2 pay (6 a little more), 4 and 8 less, off least
         c = g.cap(32)

@@ -16,9 +16,9 @@ the policy under the best measured cap.
                    and cur + 1 alternately) and, every other probe, under cap 0 (off), so the reference stays
                    measured at the same batch size and the same moment of the machine's load; while off, the
                    probe is the best cap measured so far. With shadow content (n-gram) in a bucket of fewer than
-                   `neighbor_probe_min` sequences the periodic probe is off only: there a neighbour's extra rows
-                   cost less than the machine's noise (the content trigger below still probes a cap that wins on
-                   new content). The first probe comes after `min_samples` steps, and
+                   `neighbor_probe_min` sequences the neighbour's slot is skipped (as a failed probe): there a
+                   neighbour's extra rows cost less than the machine's noise (the content trigger below still
+                   probes a cap that wins on new content). The first probe comes after `min_samples` steps, and
                    a probe of an arm with fewer than `min_samples` samples runs until it has them, so a
                    bucket has its first comparison within ~2·min_samples steps
     ladder         from off, a bucket probes the caps (first, 2, 4, k_max) in turn until each is measured,
@@ -120,10 +120,7 @@ class GuardConfig:
     # on a fresh stretch of code seen in a served trace (session 21): 0.98 measured no better through the server
     # (c = 1: 2.28x vs 2.31x of off; c = 8: 1.45x vs 1.47x), 0.97 oscillated in the steady-content test
     content_decay: float = 0.95
-    # between two caps > 0 in a bucket with shadow content (n-gram): the margin a larger / a smaller cap must win by
-    margin_up: float = 0.03
-    margin_down: float = 0.03
-    # with shadow content (n-gram), buckets of fewer sequences than this probe only off periodically, not cur +- 1:
+    # with shadow content (n-gram), buckets of fewer sequences than this skip the periodic cur +- 1 probes (off stays):
     # there a cap's extra verify rows cost less than the machine's step-to-step noise, so an 8-step probe of a
     # neighbour measured noise, and each lucky window switched the cap and restarted the probe schedule (session 24,
     # batch 1, code workload: 20-30 switches and ~170 probes per 8 x 4 s, auto 0.96-0.98x of a fixed k = 8; without
@@ -131,7 +128,6 @@ class GuardConfig:
     # counts), so a cap that wins on new content is still probed at once (_content_winner). From this size up, where
     # rows cost compute and neighbouring caps differ measurably (32 sequences: k = 3-4 best, 8 0.93x), they stay
     neighbor_probe_min: int = 16
-    on_switch_keep: float = 0.0  # the share of the probe interval kept through a switch between caps > 0 (shadow)
     settle: int = 2  # steps after a change of k that are not recorded (a draft's catch-up, new row counts)
     outlier: float = 4.0  # a step longer than this many times the arm's mean step counts as that long
     # probe cost amortisation: what a probe measurably cost (its steps and the `settle` steps after it, against
@@ -154,7 +150,7 @@ class GuardConfig:
                 or self.max_probe_every_shadow < self.max_probe_every):
             raise ValueError("guard needs probe_every >= 1, max_probe_every >= probe_every, "
                              "max_probe_every_shadow >= max_probe_every, probe_len >= 1")
-        if (self.min_samples < 1 or min(self.margin, self.margin_up, self.margin_down) < 0 or not 0 < self.decay < 1 or not 0 < self.content_decay < 1
+        if (self.min_samples < 1 or self.margin < 0 or not 0 < self.decay < 1 or not 0 < self.content_decay < 1
                 or self.outlier <= 1):
             raise ValueError("guard needs min_samples >= 1, margin >= 0, decay and content_decay in (0, 1), "
                              "outlier > 1")
@@ -249,7 +245,7 @@ class _Bucket:
                  "last_cap", "run", "seed", "base", "ladder", "pending", "win", "win_tail", "probe_cost", "_cf",
                  "_cf_run", "last_probe", "shadow", "size", "warm")
 
-    def __init__(self, k_max: int, probe_every: int, first_probe: int):
+    def __init__(self, k_max: int, probe_every: int, first_probe: int, size: int = 1):
         self.cur = k_max
         self.arms: dict[int, _Arm] = {}
         self.steps = 0
@@ -280,7 +276,7 @@ class _Bucket:
         # content of the shadow proposals (observe_shadow), shadow[K'] = [tokens, sequence-steps K'
         # would have needed, samples]; None until the decoder sends any (a proposer without free lookups)
         self.shadow: dict[int, list[float]] | None = None
-        self.size = 0  # the bucket's batch size (1, 2, 4, ...)
+        self.size = size  # the bucket's batch size (1, 2, 4, ...)
         self.warm = False  # started on at a neighbour's cap (warm_start): its ladder is probed while on
 
     @property
@@ -328,8 +324,8 @@ class GoodputGuard:
     def _get(self, n: int) -> _Bucket:
         b = self.buckets.get(bucket(n))
         if b is None:
-            b = self.buckets[bucket(n)] = _Bucket(self.cfg.k_max, self.cfg.probe_every, self.cfg.min_samples + self.cfg.settle + 1)
-            b.size = bucket(n)
+            b = self.buckets[bucket(n)] = _Bucket(self.cfg.k_max, self.cfg.probe_every,
+                                                  self.cfg.min_samples + self.cfg.settle + 1, bucket(n))
         return b
 
     def has_bucket(self, n: int) -> bool:
@@ -431,17 +427,10 @@ class GoodputGuard:
         running cap's exact counts), the best such, else None."""
         if b.cur == 0 or b.shadow is None:
             return None
+        bar = 1 + self.cfg.margin
         up = [(r, k) for k, a in b.arms.items() if k != b.cur and a.samples >= self.cfg.min_samples
-              and (r := self._ratio(b, k, b.cur) / self._bar(b, k)) > 1]
+              and (r := self._ratio(b, k, b.cur)) > bar]
         return max(up)[1] if up else None
-
-    def _bar(self, b: _Bucket, k: int) -> float:
-        """What challenger k must beat the running cap by (a ratio): the margin, except between two caps > 0 in a
-        bucket with shadow content (n-gram), where a larger cap needs `margin_up` and a smaller `margin_down`."""
-        cfg = self.cfg
-        if b.shadow is not None and b.cur > 0 and k > 0:
-            return 1 + (cfg.margin_up if k > b.cur else cfg.margin_down)
-        return 1 + cfg.margin
 
     def _decide(self, b: _Bucket) -> None:
         cfg = self.cfg
@@ -455,22 +444,18 @@ class GoodputGuard:
             # of every sequence per probe): then it waits their amortised interval (_window sets it)
             b.next_probe = b.steps + cfg.probe_len + cfg.settle
             return
-        best, best_score = b.cur, 1.0
+        best, best_score = b.cur, 1 + cfg.margin
         for k, arm in b.arms.items():  # each challenger against the current arm on content both ran on
-            if k != b.cur and arm.samples >= cfg.min_samples and (
-                    s := self._ratio(b, k, b.cur) / self._bar(b, k)) > best_score:
+            if k != b.cur and arm.samples >= cfg.min_samples and (s := self._ratio(b, k, b.cur)) > best_score:
                 best, best_score = k, s
         # the second win in a row: switch. From off, the two wins may be two different caps (batch 1, n-gram on the
         # edit workload: k = 4 and k = 6 within a few % of each other, each beating off by ~25%, took turns as the
         # pending challenger and kept the bucket off for ~90 more steps, session 15): speculation beating off was
         # confirmed twice, the best cap now wins, the +-1 probes refine it from there
         if best != b.cur and (best == b.pending or (b.cur == 0 and b.pending is not None)):
-            on_on = b.shadow is not None and b.cur > 0 and best > 0
             b.cur, b.pending = best, None
             self.num_switches += 1
-            # a switch restarts the probe schedule (a new load: re-measure soon); between two caps > 0 with shadow
-            # content the interval is only cut by `on_switch_keep` (the content trigger still probes at once)
-            b.interval = max(b.base, int(b.interval * cfg.on_switch_keep)) if on_on else b.base
+            b.interval = b.base
         elif best != b.cur:  # a first win (it may be a lucky window on a noisy machine): re-measure the current
             b.pending = best  # arm for a probe's length, then probe the challenger again
             b.next_probe = b.steps + cfg.probe_len + cfg.settle
