@@ -60,6 +60,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--token-free", action="store_true",
                    help="Mooncake trace only: prompts as their hash_ids block names, no token ids (much faster; the "
                         "same schedule; records' digest of the names)")
+    sp = p.add_argument_group("speculative decoding (the engine's SpecDecoder: auto policy and guard, or a fixed k)")
+    sp.add_argument("--speculative-model", help="ngram | a draft model: its catalog name or config.json on a catalog "
+                    "GPU (roofline), its calibration profile JSON on a calibration profile (as `tokenmill serve`)")
+    sp.add_argument("--num-speculative-tokens", help="K | auto (as `tokenmill serve`)")
+    sp.add_argument("--speculative-max-k", type=int, help="auto's largest k (default: the engine's: ngram 8, draft 6)")
+    sp.add_argument("--spec-acceptance", metavar="ALPHA[:span=L]",
+                    help="share of output positions a draft gets right, in runs of mean length L (default: "
+                         "independent positions, a draft model's; a long span: n-gram's repeated spans)")
+    sp.add_argument("--spec-lookup-us", type=float, default=15.0, help="n-gram: microseconds per lookup")
     sub = p.add_subparsers(dest="sim_command", metavar="calibrate")
     c = sub.add_parser("calibrate", help="measure this machine's engine step times and fit the cost model",
                        description="Measure the real engine's step times over a grid and fit the calibrated cost model.")
@@ -214,7 +223,9 @@ def build_config(args: argparse.Namespace):
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         step_budget=not args.no_step_budget, fast_forward=not args.no_fast_forward, token_free=args.token_free,
         price_per_hour=args.price_per_hour,
-        record_chunks=not args.no_token_times, command=tuple(command))
+        record_chunks=not args.no_token_times, speculative_model=args.speculative_model,
+        num_speculative_tokens=args.num_speculative_tokens, speculative_max_k=args.speculative_max_k,
+        spec_acceptance=args.spec_acceptance, spec_lookup_us=args.spec_lookup_us, command=tuple(command))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -240,6 +251,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"KV block size {sim['worker']['block_size']} tokens ({sim['block_size_source']})")
         print(f"simulated {level['simulated_s']:.1f} s in {level['wall_s']:.2f} s wall ({level['events']} events, "
               f"{level['events_per_s']:.0f} events/s)")
+        if "spec" in level:
+            sp = level["spec"]
+            rate = sp["acceptance_rate"]
+            print(f"speculative decoding: {sp['drafts']} verifies, {sp['draft_tokens']} draft tokens, acceptance "
+                  + (f"{100 * rate:.1f}%" if rate is not None else "-") + f"; k chosen (sequence-steps): "
+                  + ", ".join(f"{k}: {n}" for k, n in sp["chosen_k"].items())
+                  + ("; guard caps (bucket: cap x workers): " + "; ".join(
+                      f"{b}: " + ", ".join(f"{c} x{n}" for c, n in v.items()) for b, v in sp["guard_caps"].items())
+                     if sp.get("guard_caps") else ""))
         if "cost" in level and level["cost"]["per_million_tokens"] is not None:
             c = level["cost"]
             print(f"cost: ${c['usd']:.4g} for the run, ${c['per_million_output_tokens']:.4g} per million output "

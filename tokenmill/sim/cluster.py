@@ -33,6 +33,30 @@ from tokenmill.sim.clock import EventLoop
 from tokenmill.sim.cost_model import CostModel
 from tokenmill.sim.worker import SimWorker, WorkerConfig
 
+
+REFUSED_RTT_S = 1e-3  # a refused request's round trip to the bench's client (loopback HTTP), closed loop
+
+
+def spec_summary(per_worker: list[dict]) -> dict:
+    """The workers' speculative-decoding counts summed; acceptance and tokens per verify; the guards' caps
+    (auto) as {bucket: {cap: workers}}."""
+    keys = ("drafts", "draft_tokens", "accepted_tokens", "k_switches", "draft_passes", "lookups")
+    out = {k: sum(w[k] for w in per_worker) for k in keys}
+    chosen: dict[int, int] = {}
+    caps: dict[str, dict[int, int]] = {}
+    for w in per_worker:
+        for k, n in w["chosen_k"].items():
+            chosen[k] = chosen.get(k, 0) + n
+        for b, c in w.get("guard_caps", {}).items():
+            caps.setdefault(b, {})[c] = caps.setdefault(b, {}).get(c, 0) + 1
+    out["chosen_k"] = {str(k): chosen[k] for k in sorted(chosen)}
+    out["acceptance_rate"] = out["accepted_tokens"] / out["draft_tokens"] if out["draft_tokens"] else None
+    out["mean_accepted_per_verify"] = out["accepted_tokens"] / out["drafts"] if out["drafts"] else None
+    if caps:
+        out["guard_caps"] = {b: {str(c): n for c, n in sorted(v.items())} for b, v in
+                             sorted(caps.items(), key=lambda x: int(x[0]))}
+    return out
+
 CHEAP_PREFILL_TOKENS = 256  # server/admission.py ServerAdmissionConfig.cheap_prefill_tokens (default)
 TICK_S = 0.02  # Router._tick's period
 
@@ -148,11 +172,12 @@ class LevelStats:
     output_tokens: int = 0
     sim_end_s: float = 0.0
     fast_forward: dict = field(default_factory=dict)  # runs, steps in them, runs cut short, runs block-limited
+    spec: dict | None = None  # speculative decoding: the decoders' counts summed, the guards' caps (sim/spec.py)
 
 
 class ClusterSim:
     def __init__(self, router_cfg: RouterConfig, num_workers: int, worker_cfg: WorkerConfig, cost: CostModel,
-                 record_chunks: bool = True, router_metrics: bool = False):
+                 record_chunks: bool = True, router_metrics: bool = False, draft_cost: CostModel | None = None):
         self.loop = EventLoop()
         self.router = SimRouter(router_cfg, self.loop, router_metrics)
         self.classes = self.router.classes
@@ -160,7 +185,8 @@ class ClusterSim:
         self.workers: dict[str, SimWorker] = {}
         for i in range(num_workers):
             url = f"http://sim-worker-{i}"
-            self.workers[url] = SimWorker(url, worker_cfg, cost, self.loop, self._on_token, self._on_tokens)
+            self.workers[url] = SimWorker(url, worker_cfg, cost, self.loop, self._on_token, self._on_tokens,
+                                          draft_cost)
             self.router.add_worker(WorkerSpec(url, "tokenmill")).healthy = True
         self.record_chunks = record_chunks
         self.records: list[RequestRecord] = []
@@ -186,6 +212,8 @@ class ClusterSim:
                            sum(w.output_tokens for w in self.workers.values()), self.loop.now,
                            {k: sum(w.ff[k] for w in self.workers.values()) for k in ("runs", "steps", "cut",
                                                                                      "block_limited")})
+        if any(w.spec is not None for w in self.workers.values()):
+            stats.spec = spec_summary([w.spec_stats() for w in self.workers.values()])
         return self.records, stats
 
     def _feed(self, plan: Iterator) -> None:
@@ -206,9 +234,15 @@ class ClusterSim:
         if item is not None:
             self._send(item[1], 0, self.loop.now)
 
-    def _session_over(self, session: Session) -> None:
+    def _session_over(self, session: Session, failed: bool = False) -> None:
+        """A closed-loop slot (concurrency mode) takes the next session: at once after a completed turn, one
+        REFUSED_RTT_S later after a refused or failed one (the bench's client gets its 429/503/400 a round trip
+        later; at zero virtual time a refusing router would be asked again at the same instant, forever)."""
         if self._next_session is not None:
-            self._start_next_session()
+            if failed:
+                self.loop.at(self.loop.now + REFUSED_RTT_S, self._start_next_session)
+            else:
+                self._start_next_session()
 
     # -- one request ----------------------------------------------------------------------------
     def _send(self, session: Session, k: int, due: float) -> None:
@@ -228,7 +262,7 @@ class ClusterSim:
         if cls is None:  # the router answers 400 for a class it does not know
             rec.status, rec.http_status, rec.end_s = "failed", 400, self.loop.now
             rec.error = f"HTTP 400: unknown workload class {session.class_name!r}"
-            return self._session_over(session)
+            return self._session_over(session, failed=True)
         chunks = chunk_hashes(arr, self.chunk_tokens) if named is None else \
             named_chunk_hashes(named.names, named.length, named.block_size, self.chunk_tokens)
         key = PromptKey(chunks, True, len(ids), self.chunk_tokens)
@@ -241,7 +275,7 @@ class ClusterSim:
         if refused is not None:
             rec.status, rec.http_status, rec.end_s = "rejected", refused.status, now
             rec.error = f"HTTP {refused.status}: {refused}"
-            return self._session_over(live.session)
+            return self._session_over(live.session, failed=True)
         w = self.workers[flight.worker]
         live.flight, live.worker = flight, w
         cls = live.ctx.cls
@@ -273,7 +307,7 @@ class ClusterSim:
             rec.status, rec.http_status, rec.end_s = ("failed" if status == 400 else "rejected"), status, now
             rec.error = f"HTTP {status}: {err}"
             self.router.finish(live.ctx, flight, 0, None)
-            self._session_over(live.session)
+            self._session_over(live.session, failed=True)
 
     def _on_tokens(self, w: SimWorker, req, times: list[float]) -> None:
         """Tokens of fast-forwarded decode steps (none first, none last), each at its step's end time; the
@@ -285,7 +319,8 @@ class ClusterSim:
             live.rec.chunk_s.extend(times)
         self.router.output_tokens(live.flight, len(times))
 
-    def _on_token(self, w: SimWorker, req, first: bool, finished: bool) -> None:
+    def _on_token(self, w: SimWorker, req, first: bool, finished: bool, count: int = 1) -> None:
+        """A chunk of `count` output tokens (more than one: a speculating sequence's kept drafts + its token)."""
         live = self._live.get(req.request_id)
         if live is None:
             return
@@ -295,8 +330,10 @@ class ClusterSim:
         if first:
             rec.first_token_s = now
             self.router.first_token(live.ctx, live.flight)
+            if count > 1:
+                self.router.output_tokens(live.flight, count - 1)
         else:
-            self.router.output_tokens(live.flight, 1)
+            self.router.output_tokens(live.flight, count)
         if not finished:
             return
         del self._live[req.request_id]

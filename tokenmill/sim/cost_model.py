@@ -1,7 +1,8 @@
 """Cost models: the seconds one engine step takes, from the step's shape (what the real scheduler put in it).
 
     StepShape.of(SchedulerOutput)   per step: new tokens, prefill tokens, decodes, (query, context) pairs,
-                                    context read by decodes, logits rows
+                                    context read by decodes, logits rows (a speculating decode's verify rows
+                                    are tokens and logits rows of its decode: sim/spec.py)
 
 Roofline (a model shape on a catalog GPU, `tp` GPUs per worker):
 
@@ -97,23 +98,25 @@ class StepShape:
     prefill_ctx: int = 0  # context before the chunk that prefill chunks read
     logits: int = 0  # rows sent through the LM head
     new_requests: int = 0  # requests scheduled for the first time (the serving side's per-request work)
+    verify_tokens: int = 0  # speculative decoding: draft rows verified beside their decode (in tokens and logits)
 
     @staticmethod
     def of(sched) -> "StepShape":
-        tokens = prefill = decodes = dctx = pctx = logits = 0
+        tokens = prefill = decodes = dctx = pctx = logits = verify = 0
         pairs = 0.0
         for s in sched.seqs:
             n, start = len(s.token_ids), s.start_pos
             tokens += n
             logits += s.num_logits
             pairs += n * (start + (n + 1) / 2)
-            if n == 1:
+            if n == 1 or s.num_spec_slots:  # a decode, with its drafts' verify rows when speculating
                 decodes += 1
                 dctx += start + 1
+                verify += n - 1
             else:
                 prefill += n
                 pctx += start
-        return StepShape(tokens, prefill, decodes, pairs, dctx, pctx, logits, len(sched.first_scheduled))
+        return StepShape(tokens, prefill, decodes, pairs, dctx, pctx, logits, len(sched.first_scheduled), verify)
 
     @property
     def mixed_decodes(self) -> int:

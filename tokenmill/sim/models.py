@@ -128,6 +128,8 @@ HF = "https://huggingface.co/{}/blob/main/config.json"
 CATALOG: dict[str, ModelShape] = {
     "llama-3.1-8b": ModelShape("Llama-3.1-8B", 32, 4096, 32, 8, 128, 14336, 128256,
                                source=HF.format("meta-llama/Llama-3.1-8B-Instruct")),
+    "llama-3.2-1b": ModelShape("Llama-3.2-1B", 16, 2048, 32, 8, 64, 8192, 128256, tie_embeddings=True,
+                               source=HF.format("meta-llama/Llama-3.2-1B-Instruct")),  # a draft for the 3.1 family
     "llama-3.1-70b": ModelShape("Llama-3.1-70B", 80, 8192, 64, 8, 128, 28672, 128256,
                                 source=HF.format("meta-llama/Llama-3.1-70B-Instruct")),
     "llama-3.1-405b": ModelShape("Llama-3.1-405B", 126, 16384, 128, 8, 128, 53248, 128256,

@@ -27,6 +27,7 @@ from tokenmill.sim.cost_model import Calibrated, CostModel, Roofline, RooflinePa
 from tokenmill.sim.hardware import get_hardware
 from tokenmill.sim.models import CATALOG as MODEL_CATALOG
 from tokenmill.sim.models import ModelShape, get_model
+from tokenmill.sim.spec import Acceptance, SpecSimConfig
 from tokenmill.sim.worker import WorkerConfig
 
 
@@ -55,6 +56,13 @@ class SimConfig:
     token_free: bool = False  # Mooncake trace prompts by their hash_ids block names, no token ids (token_free_workload)
     price_per_hour: float | None = None  # per GPU
     record_chunks: bool = True  # every token's time (ITL); off for very large runs
+    # speculative decoding (sim/spec.py), `tokenmill serve`'s flags: ngram | a draft model (catalog name or
+    # config.json: a roofline of it on --hardware; on a calibration profile: the draft's own profile JSON)
+    speculative_model: str | None = None
+    num_speculative_tokens: int | str | None = None  # K | "auto"
+    speculative_max_k: int | None = None
+    spec_acceptance: str | None = None  # ALPHA[:span=L]: what drafts get right (sim/spec.py Acceptance)
+    spec_lookup_us: float = 15.0  # n-gram: microseconds per lookup
     command: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -66,6 +74,15 @@ class SimConfig:
             raise CLIError("--kv-cache-bytes must be > 0")
         if self.block_size is not None and self.block_size < 1:
             raise CLIError("--block-size must be >= 1")
+        on = [self.speculative_model is not None, self.num_speculative_tokens is not None]
+        if any(on) and not all(on):
+            raise CLIError("speculative decoding needs both --speculative-model and --num-speculative-tokens")
+        if (self.speculative_max_k is not None or self.spec_acceptance is not None) and not all(on):
+            raise CLIError("--speculative-max-k / --spec-acceptance need --speculative-model and "
+                           "--num-speculative-tokens")
+        if all(on) and self.spec_acceptance is None:
+            raise CLIError("simulated speculative decoding needs --spec-acceptance ALPHA[:span=L] (the share of "
+                           "output positions a draft gets right; the sim has no model to measure it)")
 
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block, as the engine's (EngineConfig.block_size) and vLLM's GPU default
@@ -109,6 +126,43 @@ class Built:
     worker: WorkerConfig
     gpus_per_worker: int
     hardware_name: str
+    draft_cost: CostModel | None = None  # speculative decoding with a draft model: its forward passes
+
+
+def _num_spec(value) -> int | str:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise CLIError(f"--num-speculative-tokens {value!r}: an integer or auto") from None
+
+
+def _spec(cfg: "SimConfig", hw) -> tuple[SpecSimConfig | None, CostModel | None, ModelShape | None, float]:
+    """(spec config, the draft's cost model, the draft's shape, its KV bytes per value) or Nones: off."""
+    if cfg.speculative_model is None:
+        return None, None, None, 0.0
+    kind = "ngram" if cfg.speculative_model == "ngram" else "draft"
+    spec = SpecSimConfig(kind, _num_spec(cfg.num_speculative_tokens), Acceptance.parse(cfg.spec_acceptance),
+                         cfg.speculative_max_k, cfg.spec_lookup_us * 1e-6, cfg.seed)
+    if kind == "ngram":
+        return spec, None, None, 0.0
+    if hw is None:  # a calibration profile: the draft's own profile on this machine
+        if not is_profile(cfg.speculative_model):
+            raise CLIError(f"--speculative-model {cfg.speculative_model!r}: with a calibration profile as --hardware "
+                           "the draft model is its own calibration profile (`tokenmill sim calibrate --model "
+                           "DRAFT --out DRAFT.json`), or ngram")
+        draft = Calibrated.load(cfg.speculative_model)
+        name = draft.profile.get("model")
+        if not name:
+            raise CLIError(f"--speculative-model {cfg.speculative_model}: the profile names no model")
+        bpv = float(draft.profile.get("engine", {}).get("kv_bytes_per_value", 2.0))
+        return spec, draft, get_model(name), bpv
+    if is_profile(cfg.speculative_model):
+        raise CLIError("--speculative-model: a calibration profile of a draft goes with a calibration profile as "
+                       "--hardware; on a catalog GPU give the draft's catalog name or config.json")
+    shape = get_model(cfg.speculative_model)
+    return spec, Roofline(shape, hw, cfg.roofline), shape, cfg.roofline.kv_bytes
 
 
 def is_profile(hardware: str) -> bool:
@@ -127,14 +181,26 @@ def build(cfg: SimConfig) -> Built:
             raise CLIError(f"--hardware {cfg.hardware} was calibrated on model {prof_model!r}, not {cfg.model!r}")
         kv_bytes = cfg.kv_cache_bytes or int(eng.get("kv_cache_bytes", 1 << 30))
         bytes_per_value = float(eng.get("kv_bytes_per_value", 2.0))
-        capacity = int(kv_bytes // (shape.kv_bytes_per_token(bytes_per_value) * cfg.block_size)) * cfg.block_size
+        spec, draft_cost, draft_shape, draft_bpv = _spec(cfg, None)
+        per_token = shape.kv_bytes_per_token(bytes_per_value) + (  # a draft's KV shares the blocks (as the engine's)
+            draft_shape.kv_bytes_per_token(draft_bpv) if draft_shape is not None else 0.0)
+        capacity = int(kv_bytes // (per_token * cfg.block_size)) * cfg.block_size
         max_batched = cfg.max_num_batched_tokens or int(eng.get("max_num_batched_tokens", 2048))
         gpus, hw_name = 1, f"calibrated: {cost.profile.get('isa', 'this machine')}"
     else:
         hw = get_hardware(cfg.hardware)
         cost = Roofline(shape, hw, cfg.roofline)
-        capacity = (int(cfg.kv_cache_bytes // shape.kv_bytes_per_token(cfg.roofline.kv_bytes)) if cfg.kv_cache_bytes
-                    else cost.kv_capacity_tokens())
+        spec, draft_cost, draft_shape, _ = _spec(cfg, hw)
+        if draft_shape is None:
+            capacity = (int(cfg.kv_cache_bytes // shape.kv_bytes_per_token(cfg.roofline.kv_bytes))
+                        if cfg.kv_cache_bytes else cost.kv_capacity_tokens())
+        else:  # the draft's weights take HBM, its KV shares the blocks
+            kv = shape.kv_bytes_per_token(cfg.roofline.kv_bytes) + draft_shape.kv_bytes_per_token(cfg.roofline.kv_bytes)
+            free = cfg.kv_cache_bytes or (cost.kv_capacity_tokens() * shape.kv_bytes_per_token(cfg.roofline.kv_bytes)
+                                          - draft_shape.params_total() * cfg.roofline.weight_bytes)
+            if free <= 0:
+                raise CLIError(f"the draft {draft_shape.name} leaves no HBM for the KV cache")
+            capacity = int(free // kv)
         max_batched = cfg.max_num_batched_tokens or 8192
         gpus, hw_name = cfg.roofline.tp, hw.name
     blocks = capacity // cfg.block_size
@@ -144,8 +210,8 @@ def build(cfg: SimConfig) -> Built:
     worker = WorkerConfig(num_blocks=blocks, block_size=cfg.block_size, max_num_batched_tokens=max_batched,
                           max_num_seqs=cfg.max_num_seqs, max_model_len=max_len,
                           enable_prefix_caching=cfg.enable_prefix_caching, step_budget=cfg.step_budget,
-                          fast_forward=cfg.fast_forward)
-    return Built(cost, shape, worker, gpus, hw_name)
+                          fast_forward=cfg.fast_forward, spec=spec)
+    return Built(cost, shape, worker, gpus, hw_name, draft_cost)
 
 
 def _vocab(cfg: SimConfig):
@@ -183,7 +249,8 @@ def run_simulation(cfg: SimConfig) -> tuple[BenchResult, dict]:
 
     def run_at(load: LoadConfig) -> RunResult:
         plan = schedule(workload, load, cfg.seed)
-        sim = ClusterSim(router_cfg, cfg.workers, built.worker, built.cost, record_chunks=cfg.record_chunks)
+        sim = ClusterSim(router_cfg, cfg.workers, built.worker, built.cost, record_chunks=cfg.record_chunks,
+                         draft_cost=built.draft_cost)
         t0, c0 = time.perf_counter(), time.process_time()
         records, stats = sim.run(plan, load)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -212,6 +279,9 @@ def run_simulation(cfg: SimConfig) -> tuple[BenchResult, dict]:
         "prompts": "token-free: the trace's hash_ids as block names" if cfg.token_free else "token ids",
         "price_per_gpu_hour": cfg.price_per_hour, "levels": levels,
     }
+    if built.worker.spec is not None:
+        sim_json["spec"] = {**built.worker.spec.describe(),
+                            "draft_cost_model": built.draft_cost.describe() if built.draft_cost is not None else None}
     return result, sim_json
 
 
@@ -251,6 +321,8 @@ def _level_json(run: RunResult, stats: LevelStats, wall_s: float, cfg: SimConfig
            "speedup_vs_real_time": stats.sim_end_s / wall_s if wall_s > 0 else None,
            "mean_worker_busy": busy, "gpus": gpus, "prompt_tokens": stats.prompt_tokens,
            "output_tokens": stats.output_tokens, "fast_forward": stats.fast_forward}
+    if stats.spec is not None:
+        out["spec"] = stats.spec
     if cfg.price_per_hour is not None and s.duration_s > 0:
         cost = cfg.price_per_hour * gpus * s.duration_s / 3600.0
         tokens = s.prompt_tokens + s.output_tokens

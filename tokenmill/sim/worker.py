@@ -33,6 +33,7 @@ from tokenmill.model.row_buckets import onednn_rows
 from tokenmill.sim import decode_run
 from tokenmill.sim.clock import EventLoop
 from tokenmill.sim.cost_model import CostModel, StepShape
+from tokenmill.sim.spec import Content, SimProposer, SpecSimConfig
 
 OUTPUT_TOKEN = 1  # every simulated output token (the sim has no model; outputs run to max_tokens)
 
@@ -69,6 +70,7 @@ class WorkerConfig:
     enable_prefix_caching: bool = True
     step_budget: bool = True  # the server's TPOT-sized step budget (engine/step_budget.py)
     fast_forward: bool = True  # steady decode steps in one event (decode_run.py); same results as stepping
+    spec: SpecSimConfig | None = None  # speculative decoding (sim/spec.py): the engine's SpecDecoder; no fast-forward
 
     def __post_init__(self):
         if self.num_blocks < 1 or self.block_size < 1 or self.max_model_len < 2:
@@ -77,12 +79,13 @@ class WorkerConfig:
 
 
 class SimWorker:
-    """Calls on_token(worker, request, first, finished) at the end of each step per output token, and
+    """Calls on_token(worker, request, first, finished, count) at the end of each step per output chunk (count:
+    its tokens; more than one where a speculating sequence kept drafts), and
     on_tokens(worker, request, times) for the tokens of fast-forwarded steps (never a first or last token;
     `times`: each one's step end, delivered later, when the run is materialized)."""
 
     def __init__(self, name: str, cfg: WorkerConfig, cost: CostModel, loop: EventLoop, on_token: Callable,
-                 on_tokens: Callable):
+                 on_tokens: Callable, draft_cost: CostModel | None = None):
         self.name, self.cfg, self.cost, self.loop = name, cfg, cost, loop
         self.on_token, self.on_tokens = on_token, on_tokens
         self.kv = SimKVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -98,6 +101,14 @@ class SimWorker:
         self.busy_s = 0.0
         self.prompt_tokens = 0
         self.output_tokens = 0
+        self.spec = self.content = self.proposer = None
+        if cfg.spec is not None:  # the engine's own SpecDecoder, on this loop's clock (sim/spec.py)
+            from tokenmill.engine.spec.decoder import SpecDecoder
+
+            self.proposer = SimProposer(cfg.spec, draft_cost)
+            self.spec = SpecDecoder(self.proposer, cfg.spec.num_speculative_tokens, cfg.spec.k_max, cfg.max_model_len,
+                                    clock=lambda: loop.now)
+            self.content = Content(cfg.spec.acceptance, cfg.spec.seed)
 
     def cached_prefix_tokens(self, token_ids: list[int], hashes: list[int] | None = None) -> int:
         self.cut_run()
@@ -135,6 +146,9 @@ class SimWorker:
         return None
 
     def _step(self) -> None:
+        if self.spec is not None:
+            self._spec_step()
+            return
         s = self.scheduler
         budget = self.step_budget.budget_for(s, self.cfg.max_num_batched_tokens) if budget_can_bind(s) else None
         sched = s.schedule(self.loop.now, budget)
@@ -216,8 +230,85 @@ class SimWorker:
             finished = n_out >= req.params.max_tokens or req.num_tokens >= max_len
             if finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
-            self.on_token(self, req, n_out == 1, finished)
+            self.on_token(self, req, n_out == 1, finished, 1)
         for req in self.pending:
             self.scheduler.add(req)
         self.pending.clear()
         self._step()
+
+    # -- speculative decoding (sim/spec.py): LLMEngine._step's order with the SpecDecoder -------------------
+    def _spec_step(self) -> None:
+        s, spec = self.scheduler, self.spec
+        budget = self.step_budget.budget_for(s, self.cfg.max_num_batched_tokens)  # it also sizes the drafts
+        sched = s.schedule(self.loop.now, budget, spec.plan(s, budget))
+        if sched.empty:
+            self.busy = False
+            return
+        composition = step_composition(sched)  # before the drafts are appended, as LLMEngine._step records it
+        spec.propose(sched, s.requests, {})
+        shape = StepShape.of(sched)
+        step_s = self.cost.step_s(shape) + self.proposer.take_s()
+        wide = self.cost.wide_rows
+        rows = onednn_rows(shape.tokens)
+        if wide is not None and shape.tokens > wide and rows not in self.shapes_run:
+            self.shapes_run.add(rows)
+            step_s += self.cost.new_shape_s(shape)
+        self.step_budget.observe(*composition, step_s)
+        self.busy = True
+        self.steps += 1
+        self.busy_s += step_s
+        self.loop.at(self.loop.now + step_s, self._end_spec_step, sched)
+
+    def _end_spec_step(self, sched) -> None:
+        """LLMEngine._postprocess_spec: a speculating sequence is verified (the real verify_greedy, on argmax rows
+        from the request's content) and emits its kept drafts + the target's token in one chunk; the others one
+        token. Then rollback of rejected positions and the decoder's step observation (its clock: now)."""
+        s, spec, content = self.scheduler, self.spec, self.content
+        requests = s.requests
+        max_len = self.cfg.max_model_len
+        for q in sched.seqs:
+            if not q.num_logits:
+                continue
+            req = requests.get(q.request_id)
+            if req is None:
+                continue
+            rid = req.request_id
+            n0 = len(req.output_token_ids)
+            verified = q.num_spec_slots and rid in spec.drafts
+            if verified:
+                rows = [content.token(rid, n0 + j) for j in range(q.num_logits)]
+                toks, kept = spec.verify_argmax(req, rows)
+            else:
+                toks = [content.token(rid, n0)]
+            finished = False
+            count = 0
+            for tok in toks:
+                req.append_output(tok)
+                count += 1
+                if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= max_len:
+                    finished = True
+                    break
+            self.output_tokens += count
+            if finished:
+                s.finish(req, RequestStatus.FINISHED_LENGTH)
+                spec.forget(rid)
+                content.forget(rid)
+            elif verified:
+                spec.rollback(s, req, kept)
+            self.on_token(self, req, n0 == 0, finished, count)
+        spec.observe_step(sched)
+        for req in self.pending:
+            s.add(req)
+        self.pending.clear()
+        self._step()
+
+    def spec_stats(self) -> dict:
+        """What the decoder counted (SpecStats) and the guard's caps per batch-size bucket (auto)."""
+        st = self.spec.stats
+        out = {"drafts": st.num_drafts, "draft_tokens": st.num_draft_tokens, "accepted_tokens": st.num_accepted_tokens,
+               "chosen_k": dict(st.chosen_k), "k_switches": st.num_k_switches,
+               "draft_passes": self.proposer.draft_passes, "lookups": self.proposer.lookups}
+        if self.spec.guard is not None:
+            g = self.spec.guard
+            out["guard_caps"] = {str(b): g.buckets[b].cur for b in sorted(g.buckets)}  # bucket -> cap in force
+        return out

@@ -72,8 +72,10 @@ def guard_config(max_k: int, free_probes: bool = False) -> GuardConfig:
 
 
 class SpecDecoder:
-    def __init__(self, proposer, num_speculative_tokens: int | str, max_k: int, max_model_len: int):
+    def __init__(self, proposer, num_speculative_tokens: int | str, max_k: int, max_model_len: int,
+                 clock=time.perf_counter):
         self.proposer = proposer
+        self.clock = clock  # the step's seconds: the engine's perf_counter, the simulator's virtual clock
         self.auto = num_speculative_tokens == "auto"
         self.fixed_k = None if self.auto else int(num_speculative_tokens)
         self.policy = SpecPolicyConfig(k_max=max_k)
@@ -143,7 +145,7 @@ class SpecDecoder:
             draft_step_s=c.per_draft_step, draft_token_s=0.0, spec_seq_s=c.per_spec_seq)
 
     def plan(self, scheduler: Scheduler, token_budget: int | None) -> dict[str, int]:
-        self._t_plan = t = time.perf_counter()
+        self._t_plan = t = self.clock()
         end, self._t_end = self._t_end, None
         # back to back: a sequence the last step decoded is still running, so the engine had unfinished work and did
         # not wait for input in between (the core process blocks only when it has none): the time since then is
@@ -296,7 +298,7 @@ class SpecDecoder:
         every new request pays one: a cost of the cap, not noise) and steps with a prefill chunk, less the
         chunk's share (seconds per prefill token measured on k = 0 steps)."""
         gs = self._guard_step
-        now = time.perf_counter()
+        now = self.clock()
         self._t_end = now
         self._end_ids = frozenset(s.request_id for s in sched.seqs)
         self._step_gap = self._count_gap(now - self._t_plan)
