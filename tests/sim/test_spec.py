@@ -199,3 +199,38 @@ def test_closed_loop_refusals_do_not_spin(tmp_path):
                     model="llama-3.1-8b", admission="leading")
     s = result.runs[0].summary
     assert s.completed > 0 and s.rejected > 0
+
+
+def test_shipped_scenarios_parse_and_run_quick(tmp_path, capsys):
+    """Every shipped scenario's runs parse as `tokenmill sim` flags; one runs end to end (--quick, two of its
+    runs) and writes its table and each run's result.json."""
+    import argparse
+    import json
+
+    from tokenmill.sim.cli import add_parser, build_config
+    from tokenmill.sim.scenario import load, run_scenario, shipped
+
+    names = shipped()
+    assert {"spec_idle_vs_saturated", "llmd_prefix_routing", "h200_vs_b300_cost"} <= set(names)
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    for name, path in names.items():
+        data = load(str(path))
+        for r in data["runs"]:
+            build_config(parser.parse_args(["sim", *data["common"], *r["args"], "--out", str(tmp_path / "x")]))
+    rows = run_scenario("spec_idle_vs_saturated", tmp_path / "s", quick=True, only=["c=1 off", "c=1 draft k=4"],
+                        log=lambda m: None)
+    assert [r["run"] for r in rows] == ["c=1 off", "c=1 draft k=4"]
+    assert rows[1]["spec_acceptance"] > 0 and rows[1]["tpot_p50_ms"] < rows[0]["tpot_p50_ms"]
+    md = (tmp_path / "s" / "scenario.md").read_text()
+    assert "| c=1 draft k=4 |" in md and "draft acc." in md
+    res = json.loads((tmp_path / "s" / "01-c-1-draft-k-4" / "result.json").read_text())
+    assert res["sim"]["spec"]["proposer"] == "draft" and "--quick" not in res["command"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"runs": [{"name": "x"}]}))
+    with pytest.raises(CLIError, match="runs must be"):
+        load(str(bad))
+    with pytest.raises(CLIError, match="not a shipped scenario"):
+        load("no-such-scenario")
+    with pytest.raises(CLIError, match="no run named"):
+        run_scenario("spec_idle_vs_saturated", tmp_path / "t", only=["nope"])

@@ -69,7 +69,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     help="share of output positions a draft gets right, in runs of mean length L (default: "
                          "independent positions, a draft model's; a long span: n-gram's repeated spans)")
     sp.add_argument("--spec-lookup-us", type=float, default=15.0, help="n-gram: microseconds per lookup")
-    sub = p.add_subparsers(dest="sim_command", metavar="calibrate")
+    sub = p.add_subparsers(dest="sim_command", metavar="calibrate|scenario")
+    sc = sub.add_parser("scenario", help="run a shipped scenario (or a scenario file): its sim runs side by side",
+                        description="Run the `tokenmill sim` runs of a scenario and compare them in one table "
+                                    "(OUT/scenario.md; each run's result.json in OUT/NN-name/). Shipped: "
+                                    "tokenmill/sim/scenarios/*.json; documented results: docs/benchmarks/sim.md.")
+    sc.add_argument("scenario", nargs="?", help="a shipped scenario's name or a scenario JSON file (omit: list them)")
+    sc.add_argument("--out", dest="scenario_out", metavar="DIR", help="output directory")
+    sc.add_argument("--quick", action="store_true", help="the scenario's shortened runs (a smoke check)")
+    sc.add_argument("--only", metavar="RUN[,RUN...]", help="run only these of its runs (by name)")
+    sc.set_defaults(func=run_scenario_command)
     c = sub.add_parser("calibrate", help="measure this machine's engine step times and fit the cost model",
                        description="Measure the real engine's step times over a grid and fit the calibrated cost model.")
     c.add_argument("--model", required=True, help="shipped model name or HF-format directory")
@@ -101,6 +110,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     c.set_defaults(func=run_calibrate)
     p.set_defaults(func=run)
     return p
+
+
+def run_scenario_command(args: argparse.Namespace) -> int:
+    from tokenmill.cli import CLIError
+    from tokenmill.sim.scenario import load, run_scenario, shipped
+
+    if not args.scenario:
+        for name, path in sorted(shipped().items()):
+            print(f"{name}: {load(str(path)).get('description', '')}")
+        return 0
+    if not args.scenario_out:
+        raise CLIError("tokenmill sim scenario NAME needs --out DIR")
+    only = [x.strip() for x in args.only.split(",") if x.strip()] if args.only else None
+    run_scenario(args.scenario, Path(args.scenario_out), quick=args.quick, only=only)
+    return 0
 
 
 def _numbers(flag: str, text: str, kind=int) -> tuple:
