@@ -56,3 +56,26 @@ def test_no_trace_without_the_variable(tiny_dir, monkeypatch):
     monkeypatch.delenv("TOKENMILL_STEP_TRACE", raising=False)
     eng = LLMEngine(EngineConfig(model=str(tiny_dir), kv_cache_bytes=4 << 20, max_model_len=256))
     assert EngineCore(eng)._trace is None
+
+
+def test_step_trace_lists_each_request_hand_over_time_in_its_first_step(tiny_dir, tmp_path, monkeypatch):
+    """`enq`: AddCmd.sent_t of the requests a step scheduled for the first time (the calibration's per-request
+    path under load, sim/calibrate.open_loop_paths_s); a request waiting for room appears in a later step."""
+    import os
+
+    path = tmp_path / "steps-{pid}.jsonl"
+    monkeypatch.setenv("TOKENMILL_STEP_TRACE", str(path))
+    eng = LLMEngine(EngineConfig(model=str(tiny_dir), kv_cache_bytes=4 << 20, max_model_len=256,
+                                 max_num_batched_tokens=48))
+    core = EngineCore(eng)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    res = core.run_once([AddCmd("a", list(range(1, 49)), params, sent_t=10.0),
+                         AddCmd("b", list(range(3, 33)), params, sent_t=11.0), AddCmd("c", [5, 6], params)])
+    while res.busy:
+        res = core.run_once([])
+    core._trace.close()
+    lines = [json.loads(x) for x in (tmp_path / f"steps-{os.getpid()}.jsonl").read_text().splitlines()]
+    assert lines[0]["enq"] == [10.0]  # a (48 tokens) fills the 48-token budget; b waits
+    later = [x["enq"] for x in lines[1:] if x["enq"]]
+    assert later == [[11.0]]  # c had no sent_t: not listed
+    assert sum(x["new_requests"] for x in lines) == 3 and not core._enq

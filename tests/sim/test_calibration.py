@@ -562,3 +562,23 @@ def test_new_shapes_are_the_engines_onednn_row_buckets():
     steps = [dict(tokens=n) for n in (300, 310, 330, 384, 100, 100, 101)]
     assert [d["new_shape"] for d in mark_new_shapes(steps)] == [True, False, True, False, True, False, True]
     assert [onednn_rows(n) for n in (1, 256, 257, 320, 321)] == [1, 256, 320, 320, 384]
+
+
+def test_open_loop_paths_are_ttft_less_hand_over_to_step_end_and_the_pause():
+    """Hand computation (session 25): a request handed over at enq, first scheduled in a step ending at t1, with a
+    pause p after it: its path outside the engine is TTFT - (t1 - enq) - p; paired in sent order with the trace's
+    `enq` times; a chunked prompt (more than its step's budget) is left out; unpaired counts give []."""
+    from tokenmill.sim.calibrate import open_loop_paths_s
+
+    steps = [{"t0": 100.000, "t1": 100.010, "budget": 512, "enq": [99.999]},
+             {"t0": 100.011, "t1": 100.013, "budget": 512, "enq": []},
+             {"t0": 100.014, "t1": 100.030, "budget": 512, "enq": [100.012, 100.0125]},
+             {"t0": 100.031, "t1": 100.032, "budget": 512}]
+    recs = [{"status": "ok", "sent_s": 5.0, "ttft_s": 0.0150, "prompt_tokens": 100, "cached_tokens": 0},
+            {"status": "ok", "sent_s": 5.013, "ttft_s": 0.0230, "prompt_tokens": 200, "cached_tokens": 0},
+            {"status": "failed", "sent_s": 5.0131, "ttft_s": None, "prompt_tokens": 9000},
+            {"status": "ok", "sent_s": 5.0135, "ttft_s": 0.0300, "prompt_tokens": 900, "cached_tokens": 100}]
+    got = open_loop_paths_s(steps, list(reversed(recs)))
+    assert got == pytest.approx([0.015 - 0.011 - 0.001, 0.023 - 0.018 - 0.001], abs=1e-9)  # the 800-token one: chunked
+    assert open_loop_paths_s(steps, recs[:1]) == []
+    assert open_loop_paths_s([{k: v for k, v in s.items() if k != "enq"} for s in steps], recs) == []

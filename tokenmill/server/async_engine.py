@@ -242,7 +242,8 @@ class AsyncEngine:
         self._adds_sent += 1
         if self.output_processor is not None:
             self.output_processor.add(request_id, params)
-        self._send(AddCmd(request_id, prompt_token_ids, params, priority, ttft_deadline, tpot_slo_s, rank))
+        self._send(AddCmd(request_id, prompt_token_ids, params, priority, ttft_deadline, tpot_slo_s, rank,
+                          time.perf_counter()))
         try:
             await future
         except asyncio.CancelledError:

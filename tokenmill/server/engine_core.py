@@ -57,6 +57,7 @@ class AddCmd:
     ttft_deadline: float | None = None  # time.perf_counter() clock (CLOCK_MONOTONIC: the same in both processes)
     tpot_slo_s: float | None = None
     rank: int = 0
+    sent_t: float | None = None  # time.perf_counter() when the front-end handed it over (the step trace's `enq`)
 
 
 @dataclass
@@ -159,12 +160,16 @@ class EngineCore:
         # the token budget and the step's shape as the simulator's cost model reads it (sim/cost_model.StepShape)
         path = os.environ.get("TOKENMILL_STEP_TRACE")
         self._trace = open(path.replace("{pid}", str(os.getpid())), "a", buffering=1) if path else None
+        # traced: request id -> when the front-end handed it over (AddCmd.sent_t), until its first step; the trace's
+        # `enq` lists those of the requests the step scheduled first (the calibration's per-request path under load)
+        self._enq: dict[str, float] = {}
 
     def run_once(self, commands) -> StepResult:
         res = StepResult()
         eng = self.engine
         for cmd in commands:
             if isinstance(cmd, AbortCmd):
+                self._enq.pop(cmd.request_id, None)
                 if cmd.request_id in self.live:
                     self.live.discard(cmd.request_id)
                     eng.abort_request(cmd.request_id)
@@ -174,6 +179,8 @@ class EngineCore:
                                 ttft_deadline=cmd.ttft_deadline, tpot_slo_s=cmd.tpot_slo_s, rank=cmd.rank)
                 self.live.add(cmd.request_id)
                 res.added.append((cmd.request_id, None))
+                if self._trace is not None and cmd.sent_t is not None:
+                    self._enq[cmd.request_id] = cmd.sent_t
             except Exception as e:  # noqa: BLE001 - InvalidRequestError / EngineOverloadedError / anything
                 res.added.append((cmd.request_id, AddError.of(e)))
         if eng.has_unfinished_requests():
@@ -223,7 +230,9 @@ class EngineCore:
             "t0": t0, "t1": t1, "cpu_s": cpu_s, "budget": budget, "tokens": shape.tokens,
             "prefill_tokens": shape.prefill_tokens, "decode_seqs": shape.decode_seqs, "attn_pairs": shape.attn_pairs,
             "decode_ctx": shape.decode_ctx, "prefill_ctx": shape.prefill_ctx, "logits": shape.logits,
-            "new_requests": shape.new_requests}) + "\n")
+            "new_requests": shape.new_requests,
+            "enq": [self._enq.pop(r) for r in getattr(self.engine, "last_first_scheduled", ()) if r in self._enq]})
+            + "\n")
 
     def abort_all(self) -> list[str]:
         rids = list(self.live)

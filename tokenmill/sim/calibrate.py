@@ -475,6 +475,43 @@ def first_token_path_s(steps: list[dict], records: list[dict]) -> float | None:
     return float(np.mean(vals))
 
 
+def open_loop_paths_s(steps: list[dict], records: list[dict]) -> list[float]:
+    """The per-request time outside the engine under load (session 25): per request, its TTFT minus the time
+    from the front-end handing it to the engine (the trace's `enq`: AddCmd.sent_t) to the end of the step that
+    scheduled it, and the pause after that step (charged inside the sim's step time, as in first_token_path_s).
+    What is left is the front-end's path before the hand-over and after the first token (HTTP, the bench
+    client); the wait for a step in flight, which the sim models itself, is not in it. Requests pair with the
+    trace's `enq` in order (sent order = hand-over order); a request whose prompt needed more than its first
+    step's budget (chunked: its first token comes later) is left out. [] where the trace has no `enq` (a server
+    before session 25) or the counts do not pair up."""
+    recs = sorted((r for r in records if r.get("status") == "ok" and r.get("ttft_s") is not None),
+                  key=lambda r: r["sent_s"])
+    enq = sorted((t, i) for i, d in enumerate(steps) for t in d.get("enq", ()))
+    if not recs or len(enq) != len(recs):
+        return []
+    out = []
+    for r, (t, i) in zip(recs, enq):
+        d = steps[i]
+        if d.get("budget") is not None and r["prompt_tokens"] - (r.get("cached_tokens") or 0) > d["budget"]:
+            continue
+        pause = steps[i + 1]["t0"] - d["t1"] if i + 1 < len(steps) else 0.0
+        out.append(r["ttft_s"] - (d["t1"] - t) - min(max(pause, 0.0), GAP_CAP_S))
+    return out
+
+
+def open_loop_request_s(runs: list[dict], steps: list[dict], run_dir: Path) -> float | None:
+    """The mean of open_loop_paths_s over the open-loop runs (None: no run paired up): serving.request_s_open_loop,
+    a record of the per-request path under load beside the one-stream request_s the sim uses."""
+    vals = []
+    for r in runs:
+        f = Path(run_dir) / r["run"] / "requests.jsonl"
+        if not f.exists():
+            continue
+        recs = [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+        vals += open_loop_paths_s([d for d in steps if r["t0"] <= d["t0"] <= r["t1"]], recs)
+    return float(np.mean(vals)) if vals else None
+
+
 def one_stream_request_s(one: dict, steps: list[dict], run_dir: Path, coef, serving: dict) -> float:
     """serving.request_s from the one-stream run `one` (a serving.runs entry; its records in run_dir/one["run"]):
     first_token_path_s; where the trace and the records do not pair up (or the records are gone), its median TTFT
@@ -644,12 +681,16 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], fractions
     for r in results:
         del r["rows"], r["kind_rows"]
     request_s = one_stream_request_s(results[0], steps, tmp, profile["coef"], {"kinds": kinds})
+    # the path under load (session 25), recorded beside it, not used: on one day's two fidelity pairs it moved TTFT
+    # the right way in one and the wrong way in the other (docs/benchmarks/sim.md, "Fidelity, session 25")
+    loaded = open_loop_request_s(open_runs, steps, tmp)
     wall = sum(r["wall_s"] for r in results)
     other = sum(r["cpu_s"]["other"] for r in results) / wall if wall else 0.0
     if other > 0.1:
         log(f"  warning: other processes used {other:.2f} cores of this machine during the serving runs; the "
             "serving overhead includes their interference (calibrate on a quiet machine)")
     return {"kinds": kinds, **({"wide_rows": int(wide_rows)} if wide_rows is not None else {}),
-            "request_s": float(request_s), "other_cpu_share": other, "pooled": pooled,
+            "request_s": float(request_s), "request_s_open_loop": loaded,
+            "other_cpu_share": other, "pooled": pooled,
             "decode_linear": linear_decode, "capacity": probe,
             "runs": results, "dir": str(tmp)}

@@ -194,7 +194,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
                     print(f"  + decode table (batch size: ms): " + ", ".join(
                         f"{d:.1f}: {1000 * e:.2f}" for d, e in t["table"]) + f"; beyond: +{1000 * t['table_slope_s']:.3f}"
                         " ms per sequence")
-            print(f"{1000 * sv['request_s']:.1f} ms per request outside the engine's steps")
+            print(f"{1000 * sv['request_s']:.1f} ms per request outside the engine's steps"
+                  + (f" (one stream; under the open-loop loads: {1000 * sv['request_s_open_loop']:.1f} ms)"
+                     if sv.get("request_s_open_loop") is not None else ""))
             if "capacity" in sv:
                 cap = sv["capacity"]
                 print(f"capacity {cap['req_per_s']:.2f} req/s of {cap['workload']}; open-loop runs at "
