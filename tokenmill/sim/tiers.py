@@ -320,13 +320,11 @@ class TierCluster:
             eng["blocks_copied"] += wt.runner.blocks_copied
             eng["reader_busy_s"] += wt.reader.busy_s
             eng["writer_busy_s"] += wt.writer.busy_s
+        keys = ("loaded_blocks", "skipped_slower", "promoted", "load_seconds_per_block")
+        per_worker = [{"worker": wt.worker.name, "recompute_s_per_token": wt.tiers.recompute_s_per_token,
+                       **{n: {k: s[k] for k in keys} for n, s in wt.tiers.stats().items()}} for wt in self.workers]
         return {"entry_bytes": self.entry_bytes, "host_shared": self.shared_host is not None, "tiers": tiers,
-                "engine": eng,
-                "per_worker": [{"worker": wt.worker.name, **{n: {k: s[k] for k in ("loaded_blocks", "skipped_slower",
-                                                                                    "promoted", "load_seconds_per_block")}
-                                                              for n, s in wt.tiers.stats().items()},
-                                "recompute_s_per_token": wt.tiers.recompute_s_per_token}
-                               for wt in self.workers]}
+                "engine": eng, "per_worker": per_worker}
 
 
 class WorkerTiers:
