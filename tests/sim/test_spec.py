@@ -59,7 +59,7 @@ def _worker(spec: SpecSimConfig | None, requests=8, max_tokens=60, num_blocks=40
             outs[req.request_id] = list(req.output_token_ids)
 
     w = SimWorker("w", WorkerConfig(num_blocks=num_blocks, max_model_len=4096, spec=spec), Roofline(TARGET, hw), loop,
-                  on_token, lambda *a: None, Roofline(DRAFT, hw))
+                  on_token, lambda *a: None, draft_cost=Roofline(DRAFT, hw))
     for i in range(requests):
         assert w.add(f"r{i}", list(range(1000 * i, 1000 * i + 100 + 7 * i)), max_tokens) is None
     loop.run()
@@ -234,3 +234,16 @@ def test_shipped_scenarios_parse_and_run_quick(tmp_path, capsys):
         load("no-such-scenario")
     with pytest.raises(CLIError, match="no run named"):
         run_scenario("spec_idle_vs_saturated", tmp_path / "t", only=["nope"])
+
+
+def test_speculation_with_kv_tiers(tmp_path):
+    """Both at once, as the engine allows: the spec step calls the tier hooks too (loads, write-through, forget);
+    every request completes and both sections are reported."""
+    result, js = sim(tmp_path, "h100", "chat:turns_min=3,turns_max=4,prompt=300,output=60,think_s=1",
+                     LoadConfig("rate", rate=4.0, num_requests=40), model="llama-3.1-8b", kv_cache_bytes=512 << 20,
+                     kv_host_bytes=8 << 30, speculative_model="llama-3.2-1b", num_speculative_tokens=3,
+                     spec_acceptance="0.7")
+    s = result.runs[0].summary
+    assert s.completed == s.requests > 0
+    level = js["levels"][0]
+    assert level["spec"]["drafts"] > 0 and level["kv_tiers"]

@@ -338,24 +338,9 @@ class LLMEngine:
         return outputs
 
     def _tier_loads(self) -> None:
-        """Tier loads run beside the steps (engine/tiers/manager.py): install the finished ones (their requests
-        return to the waiting order), then queue reads for the next waiting requests (parked meanwhile)."""
-        t = time.perf_counter()  # load deadlines are the engine's own, on its own clock: not the scheduler's
-        try:
-            for rid in self.tiers.complete(t):
-                self.scheduler.unpark(rid)
-            waiting = sorted(self.scheduler.waiting_requests(include_parked=False), key=lambda r: r.waiting_key)
-            for rid in self.tiers.prefetch(waiting, t):
-                self.scheduler.park(rid)
-        except Exception:  # noqa: BLE001 - a tier failure is a miss, never a failed step or a stuck request
-            log.exception("KV tier load failed")
-            try:
-                for rid in self.tiers.cancel_all():
-                    self.scheduler.unpark(rid)
-            except Exception:  # noqa: BLE001
-                log.exception("KV tier cancel failed")
-            for rid in list(self.scheduler.parked):
-                self.scheduler.unpark(rid)
+        """Tier loads run beside the steps (engine/tiers/manager.py): see `tier_loads`."""
+        # load deadlines are the engine's own, on its own clock: not the scheduler's
+        tier_loads(self.tiers, self.scheduler, time.perf_counter())
 
     def _postprocess(self, sched: SchedulerOutput, out: ModelOutput) -> list[RequestOutput]:
         seqs = [(i, s) for i, s in enumerate(sched.seqs) if s.num_logits > 0]
@@ -469,3 +454,24 @@ class LLMEngine:
                 f"{self._graphs_note()}"
                 f"{self._spec_note()}"
                 f"{self.tiers.describe() + '; ' if self.tiers is not None else ''}{capabilities().summary()}")
+
+
+def tier_loads(tiers, scheduler, now: float) -> None:
+    """Install the finished tier loads (their requests return to the waiting order), then queue reads for the
+    next waiting requests (parked meanwhile). LLMEngine runs it before each schedule() on time.perf_counter();
+    the simulator (sim/tiers.py) runs this same function on its virtual clock."""
+    try:
+        for rid in tiers.complete(now):
+            scheduler.unpark(rid)
+        waiting = sorted(scheduler.waiting_requests(include_parked=False), key=lambda r: r.waiting_key)
+        for rid in tiers.prefetch(waiting, now):
+            scheduler.park(rid)
+    except Exception:  # noqa: BLE001 - a tier failure is a miss, never a failed step or a stuck request
+        log.exception("KV tier load failed")
+        try:
+            for rid in tiers.cancel_all():
+                scheduler.unpark(rid)
+        except Exception:  # noqa: BLE001
+            log.exception("KV tier cancel failed")
+        for rid in list(scheduler.parked):
+            scheduler.unpark(rid)

@@ -56,6 +56,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--price-per-hour", type=float, help="USD per GPU-hour: cost per request and per million tokens")
     g.add_argument("--no-fast-forward", action="store_true",
                    help="step every decode step (default: steady decode runs in one event, same results)")
+    t = p.add_argument_group("KV tiers below the pool (as `tokenmill serve`; sim/tiers.py)")
+    t.add_argument("--kv-host-bytes", help="host DRAM tier per worker, e.g. 64GiB (default 0: off)")
+    t.add_argument("--kv-disk-bytes", help="local disk tier per worker, e.g. 1TiB (default 0: off)")
+    t.add_argument("--kv-host-shared", action="store_true",
+                   help="one host tier of --kv-host-bytes for all workers (one host's /dev/shm)")
+    t.add_argument("--kv-load-timeout-s", type=float, default=1.0, help="a tier load past this recomputes")
+    t.add_argument("--kv-host-bw", type=float, metavar="GB/s", help="host tier read/write by one thread "
+                   "(memcpy from /dev/shm; default 10)")
+    t.add_argument("--kv-disk-read-bw", type=float, metavar="GB/s", help="disk tier read (default 6)")
+    t.add_argument("--kv-disk-write-bw", type=float, metavar="GB/s", help="disk tier write (default 3)")
+    t.add_argument("--kv-disk-latency-us", type=float, help="per disk block read/write (default 80)")
+    t.add_argument("--kv-checksum-bw", type=float, metavar="GB/s", help="CRC-32 of each entry (default 4)")
+    t.add_argument("--kv-link-bw", type=float, metavar="GB/s", help="pool <-> host copies on the engine thread "
+                   "(default: the catalog GPU's PCIe per GPU x --tp; a calibrated CPU: memcpy, 50)")
     g.add_argument("--no-token-times", action="store_true", help="do not keep every token's time (big runs)")
     g.add_argument("--token-free", action="store_true",
                    help="Mooncake trace only: prompts as their hash_ids block names, no token ids (much faster; the "
@@ -241,6 +255,20 @@ def build_config(args: argparse.Namespace):
     except ValueError:
         raise CLIError(f"--kv-cache-bytes {args.kv_cache_bytes!r}: expected bytes such as 4GiB") from None
     command = ["tokenmill", *sys.argv[1:]] if sys.argv[1:2] == ["sim"] else ["tokenmill", "sim"]
+    tier_bytes = {}
+    for flag in ("kv_host_bytes", "kv_disk_bytes"):
+        v = getattr(args, flag)
+        try:
+            tier_bytes[flag] = parse_bytes(v) if v else 0
+        except ValueError:
+            raise CLIError(f"--{flag.replace('_', '-')} {v!r}: expected bytes such as 64GiB") from None
+    io = {}
+    for flag, key, scale in (("kv_host_bw", "host_read_bw", 1e9), ("kv_host_bw", "host_write_bw", 1e9),
+                             ("kv_disk_read_bw", "disk_read_bw", 1e9), ("kv_disk_write_bw", "disk_write_bw", 1e9),
+                             ("kv_disk_latency_us", "disk_latency_s", 1e-6), ("kv_checksum_bw", "checksum_bw", 1e9),
+                             ("kv_link_bw", "link_bw", 1e9)):
+        if getattr(args, flag) is not None:
+            io[key] = getattr(args, flag) * scale
     return SimConfig(
         model=args.model, hardware=args.hardware, out=Path(args.out), workers=args.workers, router=router,
         workloads=workloads, load=load, sweep=sweep, slos=tuple(args.slo or ()), seed=args.seed,
@@ -248,7 +276,8 @@ def build_config(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
         step_budget=not args.no_step_budget, fast_forward=not args.no_fast_forward, token_free=args.token_free,
-        price_per_hour=args.price_per_hour,
+        price_per_hour=args.price_per_hour, **tier_bytes, kv_host_shared=args.kv_host_shared,
+        kv_load_timeout_s=args.kv_load_timeout_s, tier_io=io,
         record_chunks=not args.no_token_times, speculative_model=args.speculative_model,
         num_speculative_tokens=args.num_speculative_tokens, speculative_max_k=args.speculative_max_k,
         spec_acceptance=args.spec_acceptance, spec_lookup_us=args.spec_lookup_us, command=tuple(command))

@@ -31,6 +31,7 @@ from tokenmill.router.router import Refused, RequestCtx, Router
 from tokenmill.router.worker_state import WorkerSpec
 from tokenmill.sim.clock import EventLoop
 from tokenmill.sim.cost_model import CostModel
+from tokenmill.sim.tiers import TierCluster
 from tokenmill.sim.worker import SimWorker, WorkerConfig
 
 
@@ -173,20 +174,24 @@ class LevelStats:
     sim_end_s: float = 0.0
     fast_forward: dict = field(default_factory=dict)  # runs, steps in them, runs cut short, runs block-limited
     spec: dict | None = None  # speculative decoding: the decoders' counts summed, the guards' caps (sim/spec.py)
+    tiers: dict | None = None  # KV tier counters (sim/tiers.py TierCluster.stats); None: tiers off
 
 
 class ClusterSim:
     def __init__(self, router_cfg: RouterConfig, num_workers: int, worker_cfg: WorkerConfig, cost: CostModel,
-                 record_chunks: bool = True, router_metrics: bool = False, draft_cost: CostModel | None = None):
+                 record_chunks: bool = True, router_metrics: bool = False, draft_cost: CostModel | None = None,
+                 tier_model: str = "sim"):
         self.loop = EventLoop()
         self.router = SimRouter(router_cfg, self.loop, router_metrics)
         self.classes = self.router.classes
         self.chunk_tokens = router_cfg.prefix_index.chunk_tokens
         self.workers: dict[str, SimWorker] = {}
+        t = worker_cfg.tiers
+        self.tiers = TierCluster(t, worker_cfg.block_size, self.loop, tier_model) if t and t.enabled else None
         for i in range(num_workers):
             url = f"http://sim-worker-{i}"
             self.workers[url] = SimWorker(url, worker_cfg, cost, self.loop, self._on_token, self._on_tokens,
-                                          draft_cost)
+                                          self.tiers, draft_cost)
             self.router.add_worker(WorkerSpec(url, "tokenmill")).healthy = True
         self.record_chunks = record_chunks
         self.records: list[RequestRecord] = []
@@ -214,6 +219,8 @@ class ClusterSim:
                                                                                      "block_limited")})
         if any(w.spec is not None for w in self.workers.values()):
             stats.spec = spec_summary([w.spec_stats() for w in self.workers.values()])
+        if self.tiers is not None:
+            stats.tiers = self.tiers.stats()
         return self.records, stats
 
     def _feed(self, plan: Iterator) -> None:

@@ -28,6 +28,7 @@ from tokenmill.sim.hardware import get_hardware
 from tokenmill.sim.models import CATALOG as MODEL_CATALOG
 from tokenmill.sim.models import ModelShape, get_model
 from tokenmill.sim.spec import Acceptance, SpecSimConfig
+from tokenmill.sim.tiers import TierConfig, TierIO
 from tokenmill.sim.worker import WorkerConfig
 
 
@@ -63,6 +64,12 @@ class SimConfig:
     speculative_max_k: int | None = None
     spec_acceptance: str | None = None  # ALPHA[:span=L]: what drafts get right (sim/spec.py Acceptance)
     spec_lookup_us: float = 15.0  # n-gram: microseconds per lookup
+    # KV tiers below the pool (sim/tiers.py; the server's --kv-host-bytes / --kv-disk-bytes); 0: off
+    kv_host_bytes: int = 0  # per worker, or the cluster's one host tier with kv_host_shared
+    kv_disk_bytes: int = 0  # per worker
+    kv_host_shared: bool = False
+    kv_load_timeout_s: float = 1.0
+    tier_io: dict = field(default_factory=dict)  # TierIO overrides (bytes/s, s); link_bw default: the GPU's PCIe
     command: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -83,6 +90,17 @@ class SimConfig:
         if all(on) and self.spec_acceptance is None:
             raise CLIError("simulated speculative decoding needs --spec-acceptance ALPHA[:span=L] (the share of "
                            "output positions a draft gets right; the sim has no model to measure it)")
+        if self.kv_host_bytes < 0 or self.kv_disk_bytes < 0:
+            raise CLIError("--kv-host-bytes and --kv-disk-bytes must be >= 0")
+        if self.kv_host_shared and not self.kv_host_bytes:
+            raise CLIError("--kv-host-shared needs --kv-host-bytes")
+        if (self.kv_host_bytes or self.kv_disk_bytes) and not self.enable_prefix_caching:
+            raise CLIError("KV tiers (--kv-host-bytes / --kv-disk-bytes) need prefix caching (blocks are found by "
+                           "their hash)")
+        if (self.kv_host_bytes or self.kv_disk_bytes) and self.token_free:
+            raise CLIError("--token-free with KV tiers is not supported (tier keys hash token ids)")
+        if not self.kv_load_timeout_s > 0:
+            raise CLIError("--kv-load-timeout-s must be > 0")
 
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block, as the engine's (EngineConfig.block_size) and vLLM's GPU default
@@ -187,6 +205,7 @@ def build(cfg: SimConfig) -> Built:
         capacity = int(kv_bytes // (per_token * cfg.block_size)) * cfg.block_size
         max_batched = cfg.max_num_batched_tokens or int(eng.get("max_num_batched_tokens", 2048))
         gpus, hw_name = 1, f"calibrated: {cost.profile.get('isa', 'this machine')}"
+        block_bytes, link_bw = shape.kv_bytes_per_token(bytes_per_value) * cfg.block_size, None  # memcpy: TierIO's
     else:
         hw = get_hardware(cfg.hardware)
         cost = Roofline(shape, hw, cfg.roofline)
@@ -203,6 +222,8 @@ def build(cfg: SimConfig) -> Built:
             capacity = int(free // kv)
         max_batched = cfg.max_num_batched_tokens or 8192
         gpus, hw_name = cfg.roofline.tp, hw.name
+        block_bytes = shape.kv_bytes_per_token(cfg.roofline.kv_bytes) * cfg.block_size
+        link_bw = hw.host_link_bw * cfg.roofline.tp  # a block is split over the worker's GPUs, each on its link
     blocks = capacity // cfg.block_size
     if blocks < 1:
         raise CLIError(f"the KV cache of a worker holds no block of {cfg.block_size} tokens")
@@ -210,8 +231,21 @@ def build(cfg: SimConfig) -> Built:
     worker = WorkerConfig(num_blocks=blocks, block_size=cfg.block_size, max_num_batched_tokens=max_batched,
                           max_num_seqs=cfg.max_num_seqs, max_model_len=max_len,
                           enable_prefix_caching=cfg.enable_prefix_caching, step_budget=cfg.step_budget,
-                          fast_forward=cfg.fast_forward, spec=spec)
+                          fast_forward=cfg.fast_forward, spec=spec, tiers=_tiers(cfg, int(block_bytes), link_bw))
     return Built(cost, shape, worker, gpus, hw_name, draft_cost)
+
+
+def _tiers(cfg: SimConfig, block_bytes: int, link_bw: float | None) -> TierConfig | None:
+    if not (cfg.kv_host_bytes or cfg.kv_disk_bytes):
+        return None
+    io = dict(cfg.tier_io)
+    if link_bw is not None:
+        io.setdefault("link_bw", link_bw)
+    try:
+        return TierConfig(cfg.kv_host_bytes, cfg.kv_disk_bytes, cfg.kv_host_shared, cfg.kv_load_timeout_s,
+                          block_bytes, TierIO(**io))
+    except (TypeError, ValueError) as e:
+        raise CLIError(f"KV tiers: {e}") from None
 
 
 def _vocab(cfg: SimConfig):
@@ -250,7 +284,7 @@ def run_simulation(cfg: SimConfig) -> tuple[BenchResult, dict]:
     def run_at(load: LoadConfig) -> RunResult:
         plan = schedule(workload, load, cfg.seed)
         sim = ClusterSim(router_cfg, cfg.workers, built.worker, built.cost, record_chunks=cfg.record_chunks,
-                         draft_cost=built.draft_cost)
+                         draft_cost=built.draft_cost, tier_model=cfg.model)
         t0, c0 = time.perf_counter(), time.process_time()
         records, stats = sim.run(plan, load)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -323,6 +357,8 @@ def _level_json(run: RunResult, stats: LevelStats, wall_s: float, cfg: SimConfig
            "output_tokens": stats.output_tokens, "fast_forward": stats.fast_forward}
     if stats.spec is not None:
         out["spec"] = stats.spec
+    if stats.tiers is not None:
+        out["kv_tiers"] = stats.tiers
     if cfg.price_per_hour is not None and s.duration_s > 0:
         cost = cfg.price_per_hour * gpus * s.duration_s / 3600.0
         tokens = s.prompt_tokens + s.output_tokens

@@ -34,6 +34,7 @@ from tokenmill.sim import decode_run
 from tokenmill.sim.clock import EventLoop
 from tokenmill.sim.cost_model import CostModel, StepShape
 from tokenmill.sim.spec import Content, SimProposer, SpecSimConfig
+from tokenmill.sim.tiers import TierCluster, TierConfig
 
 OUTPUT_TOKEN = 1  # every simulated output token (the sim has no model; outputs run to max_tokens)
 
@@ -43,8 +44,10 @@ class SimKVCacheManager(KVCacheManager):
     the model runner, O(context) per sequence per step and read by nothing but the runner -- is left empty, as
     the sim has no runner. Allocation, prefix lookups, registration and eviction are the real ones."""
 
+    full_tables = False  # set with KV tiers: KVTiers.store_computed reads the step's block ids (sim/tiers.py)
+
     def block_ids(self, req: Request) -> list[int]:
-        return []
+        return super().block_ids(req) if self.full_tables else []
 
 
 def budget_can_bind(scheduler: Scheduler) -> bool:
@@ -71,6 +74,7 @@ class WorkerConfig:
     step_budget: bool = True  # the server's TPOT-sized step budget (engine/step_budget.py)
     fast_forward: bool = True  # steady decode steps in one event (decode_run.py); same results as stepping
     spec: SpecSimConfig | None = None  # speculative decoding (sim/spec.py): the engine's SpecDecoder; no fast-forward
+    tiers: TierConfig | None = None  # KV tiers below the pool (sim/tiers.py); None: off (fast-forward needs off)
 
     def __post_init__(self):
         if self.num_blocks < 1 or self.block_size < 1 or self.max_model_len < 2:
@@ -85,7 +89,7 @@ class SimWorker:
     `times`: each one's step end, delivered later, when the run is materialized)."""
 
     def __init__(self, name: str, cfg: WorkerConfig, cost: CostModel, loop: EventLoop, on_token: Callable,
-                 on_tokens: Callable, draft_cost: CostModel | None = None):
+                 on_tokens: Callable, tiers: TierCluster | None = None, draft_cost: CostModel | None = None):
         self.name, self.cfg, self.cost, self.loop = name, cfg, cost, loop
         self.on_token, self.on_tokens = on_token, on_tokens
         self.kv = SimKVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -101,6 +105,7 @@ class SimWorker:
         self.busy_s = 0.0
         self.prompt_tokens = 0
         self.output_tokens = 0
+        self.tiers = tiers.attach(self) if tiers is not None else None  # the engine's KVTiers (sim/tiers.py)
         self.spec = self.content = self.proposer = None
         if cfg.spec is not None:  # the engine's own SpecDecoder, on this loop's clock (sim/spec.py)
             from tokenmill.engine.spec.decoder import SpecDecoder
@@ -150,10 +155,13 @@ class SimWorker:
             self._spec_step()
             return
         s = self.scheduler
+        tier_s = self.tiers.before_schedule() if self.tiers is not None else 0.0
         budget = self.step_budget.budget_for(s, self.cfg.max_num_batched_tokens) if budget_can_bind(s) else None
         sched = s.schedule(self.loop.now, budget)
         if sched.empty:
             self.busy = False
+            if self.tiers is not None:
+                self.tiers.idle(self._wake)
             return
         shape = StepShape.of(sched)
         step_s = self.cost.step_s(shape)
@@ -162,11 +170,14 @@ class SimWorker:
         if wide is not None and shape.tokens > wide and rows not in self.shapes_run:
             self.shapes_run.add(rows)  # the engine's first step of this many rows (cost_model: new_shape_s)
             step_s += self.cost.new_shape_s(shape)
+        if self.tiers is not None:  # the engine thread's tier copies around execute (sim/tiers.py)
+            step_s = tier_s + step_s + self.tiers.after_schedule(sched, tier_s, step_s)
         self.step_budget.observe(*step_composition(sched), step_s)
         self.busy = True
         self.steps += 1
         self.busy_s += step_s
-        if self.cfg.fast_forward and decode_run.steady(sched, s, self.pending, self.cfg.max_num_batched_tokens):
+        ff = self.cfg.fast_forward and self.tiers is None  # tiers: every step's full blocks are written through
+        if ff and decode_run.steady(sched, s, self.pending, self.cfg.max_num_batched_tokens):
             run = decode_run.plan(sched, s, self.kv, shape, step_s, self.loop.now, self.cost, self.cfg.max_model_len)
             if run is not None:
                 self.run = run
@@ -230,19 +241,29 @@ class SimWorker:
             finished = n_out >= req.params.max_tokens or req.num_tokens >= max_len
             if finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
+                if self.tiers is not None:
+                    self.tiers.forget(rid)
             self.on_token(self, req, n_out == 1, finished, 1)
         for req in self.pending:
             self.scheduler.add(req)
         self.pending.clear()
         self._step()
 
+    def _wake(self) -> None:
+        """A tier load ended (or reached its deadline) while the worker was idle."""
+        if not self.busy:
+            self._step()
+
     # -- speculative decoding (sim/spec.py): LLMEngine._step's order with the SpecDecoder -------------------
     def _spec_step(self) -> None:
         s, spec = self.scheduler, self.spec
+        tier_s = self.tiers.before_schedule() if self.tiers is not None else 0.0
         budget = self.step_budget.budget_for(s, self.cfg.max_num_batched_tokens)  # it also sizes the drafts
         sched = s.schedule(self.loop.now, budget, spec.plan(s, budget))
         if sched.empty:
             self.busy = False
+            if self.tiers is not None:
+                self.tiers.idle(self._wake)
             return
         composition = step_composition(sched)  # before the drafts are appended, as LLMEngine._step records it
         spec.propose(sched, s.requests, {})
@@ -253,6 +274,8 @@ class SimWorker:
         if wide is not None and shape.tokens > wide and rows not in self.shapes_run:
             self.shapes_run.add(rows)
             step_s += self.cost.new_shape_s(shape)
+        if self.tiers is not None:  # the engine thread's tier copies around execute (sim/tiers.py)
+            step_s = tier_s + step_s + self.tiers.after_schedule(sched, tier_s, step_s)
         self.step_budget.observe(*composition, step_s)
         self.busy = True
         self.steps += 1
@@ -293,6 +316,8 @@ class SimWorker:
                 s.finish(req, RequestStatus.FINISHED_LENGTH)
                 spec.forget(rid)
                 content.forget(rid)
+                if self.tiers is not None:
+                    self.tiers.forget(rid)
             elif verified:
                 spec.rollback(s, req, kept)
             self.on_token(self, req, n0 == 0, finished, count)

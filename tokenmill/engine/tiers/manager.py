@@ -27,6 +27,14 @@ threads of its own (one reads, one writes), so neither a read nor a write ever r
     block is skipped (counted as `skipped_slower`), re-probed every PROBE_EVERY skipped lookups.
 Every failure inside is a miss or a dropped store, never an exception out of here (the engine also guards,
 and unparks every request of a load on any error).
+
+Seams (the engine's behaviour is the default; the simulator, tokenmill/sim/tiers.py, supplies the others so
+that every decision above is this code, run on a virtual clock):
+  - `stores`: anything with FileStore's interface (name, path, capacity, stats, count, contains, get, put).
+  - `reader` / `writer`: executors (`submit(fn, *args)` -> a concurrent.futures.Future-like object with
+    done() and result(timeout=0); `shutdown(wait, cancel_futures)`); default one ThreadPoolExecutor thread each.
+  - `io_clock`: the clock the reader times each block read on (default time.perf_counter).
+  - `clock`: the engine-thread clock that times the copies into and out of the pool.
 """
 
 from __future__ import annotations
@@ -108,7 +116,7 @@ def _result(fut) -> list:
 class KVTiers:
     def __init__(self, stores: list[FileStore], fingerprint: bytes, runner, kv, clock=time.perf_counter,
                  max_requests_per_step: int = 8, alpha: float = 0.2, load_timeout_s: float = 1.0,
-                 max_pending_writes: int = 4096):
+                 max_pending_writes: int = 4096, reader=None, writer=None, io_clock=time.perf_counter):
         self.stores, self.fingerprint, self.runner, self.kv, self.clock = stores, fingerprint, runner, kv, clock
         self.block_size = kv.block_size
         self.payload_len = runner.block_nbytes
@@ -130,8 +138,9 @@ class KVTiers:
         self._loads: dict[str, _Load] = {}
         self._tried: set[str] = set()  # requests looked up already (loaded, abandoned, or nothing found)
         self._abandoned: list[concurrent.futures.Future] = []
-        self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-tier-read")
-        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-tier-write")
+        self.io_clock = io_clock
+        self._reader = reader or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-tier-read")
+        self._writer = writer or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-tier-write")
         self._wlock = threading.Lock()
         self._pending_writes = 0
 
@@ -241,10 +250,10 @@ class KVTiers:
         for key, toks in zip(keys, blocks):
             got = None
             for st in stores:
-                t0 = time.perf_counter()
+                t0 = self.io_clock()
                 payload = st.get(key, toks, self.payload_len)
                 if payload is not None:
-                    got = (st.name, payload, time.perf_counter() - t0)
+                    got = (st.name, payload, self.io_clock() - t0)
                     break
             if got is None:
                 break
