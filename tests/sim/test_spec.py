@@ -211,7 +211,7 @@ def test_shipped_scenarios_parse_and_run_quick(tmp_path, capsys):
     from tokenmill.sim.scenario import load, run_scenario, shipped
 
     names = shipped()
-    assert {"spec_idle_vs_saturated", "llmd_prefix_routing", "h200_vs_b300_cost"} <= set(names)
+    assert {"spec_idle_vs_saturated", "llmd_prefix_routing", "h200_vs_b300_cost", "kv_tiers_hit_rate"} <= set(names)
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
     for name, path in names.items():
