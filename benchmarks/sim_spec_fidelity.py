@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_common import _stop, wait_ready  # noqa: E402
 
 from tokenmill.hardware import capabilities  # noqa: E402
+from tokenmill.model.loader import resolve_model_path  # noqa: E402
 
 PY = sys.executable
 
@@ -101,7 +102,8 @@ def main() -> None:
                 wait_ready(server, url, log)
                 load = ["--workload", args.workload, "--concurrency", str(c), "--duration", f"{args.duration:g}",
                         "--seed", str(args.seed), "--no-plots"]
-                subprocess.run([PY, "-m", "tokenmill", "bench", "--target", url, "--model", "demo", *load,
+                subprocess.run([PY, "-m", "tokenmill", "bench", "--target", url, "--model", "demo", "--tokenizer",
+                                str(resolve_model_path("demo")), *load,
                                 "--out", str(out / f"real-{tag}"), "--no-progress"], check=True,
                                stdout=subprocess.DEVNULL)
                 m = scrape(url) if spec else {}
