@@ -73,6 +73,22 @@ def alpha_for(drafts: float, draft_tokens: float, accepted: float) -> float | No
     return (lo + hi) / 2
 
 
+def run_sim(args, out: Path, tag: str, k: str, load: list[str], alpha, real: dict, real_acc, real_drafts) -> dict:
+    c = int(tag[1:].split("-")[0])
+    sim_flags = ["--model", "demo", "--hardware", args.profile, "--admission", "off", *load]
+    if k != "off":
+        sim_flags += ["--speculative-model", args.draft_profile, "--num-speculative-tokens", k,
+                      "--spec-acceptance", f"{alpha if alpha is not None else 0.0:.4f}"]
+    subprocess.run([PY, "-m", "tokenmill", "sim", *sim_flags, "--out", str(out / f"sim-{tag}")], check=True,
+                   stdout=subprocess.DEVNULL)
+    simj = json.loads((out / f"sim-{tag}" / "result.json").read_text())
+    sim = simj["summary"]
+    sim_spec = simj["sim"]["levels"][0].get("spec") or {}
+    print(f"{tag}: real TPOT p50 {real['tpot_ms']['p50']:.2f} ms, sim {sim['tpot_ms']['p50']:.2f} ms", flush=True)
+    return {"c": c, "k": k, "alpha": alpha, "real": real, "sim": sim, "real_acc": real_acc,
+            "sim_acc": sim_spec.get("acceptance_rate"), "real_drafts": real_drafts, "sim_drafts": sim_spec.get("drafts")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", required=True)
@@ -84,15 +100,23 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=18491)
     ap.add_argument("--out", default="/tmp/sim_spec_fidelity")
+    ap.add_argument("--sim-only", action="store_true", help="rerun only the sim on OUT's real runs (OUT/rows.json)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"ISA: {capabilities().summary()}")
     rows = []
+    saved = {(r["c"], r["k"]): r for r in json.loads((out / "rows.json").read_text())} if args.sim_only else {}
     for c in [int(x) for x in args.concurrency.split(",")]:
         for k in args.ks.split(","):
             spec = [] if k == "off" else ["--speculative-model", "demo-draft", "--num-speculative-tokens", k]
             tag = f"c{c}-k{k}"
+            load = ["--workload", args.workload, "--concurrency", str(c), "--duration", f"{args.duration:g}",
+                    "--seed", str(args.seed), "--no-plots"]
+            if args.sim_only:
+                r0 = saved[(c, k)]
+                rows.append(run_sim(args, out, tag, k, load, r0["alpha"], r0["real"], r0["real_acc"], r0["real_drafts"]))
+                continue
             log = out / f"server-{tag}.log"
             cmd = [PY, "-m", "tokenmill", "serve", "--model", "demo", "--port", str(args.port), "--admission", "off",
                    *spec]
@@ -100,8 +124,6 @@ def main() -> None:
             url = f"http://127.0.0.1:{args.port}"
             try:
                 wait_ready(server, url, log)
-                load = ["--workload", args.workload, "--concurrency", str(c), "--duration", f"{args.duration:g}",
-                        "--seed", str(args.seed), "--no-plots"]
                 subprocess.run([PY, "-m", "tokenmill", "bench", "--target", url, "--model", "demo", "--tokenizer",
                                 str(resolve_model_path("demo")), *load,
                                 "--out", str(out / f"real-{tag}"), "--no-progress"], check=True,
@@ -110,25 +132,15 @@ def main() -> None:
             finally:
                 _stop([server])
             real = json.loads((out / f"real-{tag}" / "result.json").read_text())["summary"]
-            sim_flags = ["--model", "demo", "--hardware", args.profile, "--admission", "off", *load]
             alpha = None
             if spec:
                 alpha = alpha_for(m.get("vllm:spec_decode_num_drafts", 0), m.get("vllm:spec_decode_num_draft_tokens", 0),
                                   m.get("vllm:spec_decode_num_accepted_tokens", 0))
-                sim_flags += ["--speculative-model", args.draft_profile, "--num-speculative-tokens", k,
-                              "--spec-acceptance", f"{alpha if alpha is not None else 0.0:.4f}"]
-            subprocess.run([PY, "-m", "tokenmill", "sim", *sim_flags, "--out", str(out / f"sim-{tag}")], check=True,
-                           stdout=subprocess.DEVNULL)
-            simj = json.loads((out / f"sim-{tag}" / "result.json").read_text())
-            sim = simj["summary"]
-            sim_spec = simj["sim"]["levels"][0].get("spec") or {}
             real_acc = (m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_draft_tokens"]
                         if spec and m.get("vllm:spec_decode_num_draft_tokens") else None)
-            rows.append({"c": c, "k": k, "alpha": alpha, "real": real, "sim": sim, "real_acc": real_acc,
-                         "sim_acc": sim_spec.get("acceptance_rate"),
-                         "real_drafts": m.get("vllm:spec_decode_num_drafts"), "sim_drafts": sim_spec.get("drafts")})
-            print(f"{tag}: real TPOT p50 {real['tpot_ms']['p50']:.2f} ms, sim {sim['tpot_ms']['p50']:.2f} ms", flush=True)
-    (out / "rows.json").write_text(json.dumps(rows, indent=1, default=str))
+            rows.append(run_sim(args, out, tag, k, load, alpha, real, real_acc, m.get("vllm:spec_decode_num_drafts")))
+    if not args.sim_only:
+        (out / "rows.json").write_text(json.dumps(rows, indent=1, default=str))
     print("\n| c | k | alpha (fit) | acceptance real / sim | TPOT p50 ms real / sim (err) | TTFT p50 ms real / sim | "
           "output tok/s real / sim (err) | speedup vs off real / sim |")
     print("|---:|---|---:|---|---|---|---|---|")

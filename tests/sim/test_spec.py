@@ -247,3 +247,40 @@ def test_speculation_with_kv_tiers(tmp_path):
     assert s.completed == s.requests > 0
     level = js["levels"][0]
     assert level["spec"]["drafts"] > 0 and level["kv_tiers"]
+
+
+def test_a_calibrated_draft_loop_prices_proposals_by_its_fit(tmp_path):
+    """A draft profile with `draft_loop` (tokenmill sim calibrate --draft-for): a short catch-up proposal costs
+    coef . (1, passes, rows after the first pass, catch-up tokens) -- hand computation -- instead of whole engine
+    steps of the draft; a long catch-up (a new request's first proposal) stays a draft prefill step."""
+    import json
+
+    from tokenmill.engine.request import Request
+    from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.engine.spec import decoder
+    from tokenmill.sim import spec as simspec
+    from tokenmill.sim.cost_model import Calibrated
+
+    assert simspec.SHORT_CATCHUP == decoder.SHORT_CATCHUP
+    path = profile(tmp_path, [0.001, 1e-5, 0, 0, 0, 1e-5], model="demo-draft", name="d.json")
+    data = json.loads(open(path).read())
+    data["draft_loop"] = {"target": "demo", "features": ["one", "passes", "rows", "catchup_tokens"],
+                          "coef": [1e-4, 5e-5, 2e-5, 1e-5]}
+    open(path, "w").write(json.dumps(data))
+    p = simspec.SimProposer(SpecSimConfig("draft", 4, Acceptance(0.5)), Calibrated.load(path))
+    reqs = [Request(f"r{i}", list(range(30)), SamplingParams(max_tokens=50)) for i in range(3)]
+    p.propose(reqs, [4, 4, 4], [None] * 3, [None] * 3)  # first proposals: 30-token catch-ups (> 16): a prefill
+    first = p.take_s()
+    assert first == pytest.approx(0.001 + 1e-5 * 90 + 1e-5 * 3 + 5e-5 * 3 + 2e-5 * 9)
+    for r in reqs:  # the target kept one draft + its token; KV is valid up to the newest token (rollback)
+        r.append_output(1)
+        r.append_output(2)
+        p.rollback(r, r.num_tokens - 1)
+    p.propose(reqs, [4, 2, 1], [None] * 3, [None] * 3)
+    # passes 4; rows after the first pass: 2 (j=1: k 4 and 2) + 1 (j=2) + 1 (j=3) = 4; catch-up: the draft's KV
+    # covered 33 positions, cut to the target's 31 by the rollback: the newest token alone, 1 each = 3
+    assert p.take_s() == pytest.approx(1e-4 + 5e-5 * 4 + 2e-5 * 4 + 1e-5 * 3)
+    data["draft_loop"]["features"] = ["one", "passes"]
+    open(path, "w").write(json.dumps(data))
+    with pytest.raises(CLIError, match="calibrate the draft again"):
+        simspec.SimProposer(SpecSimConfig("draft", 4, Acceptance(0.5)), Calibrated.load(path))

@@ -694,3 +694,75 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], fractions
             "other_cpu_share": other, "pooled": pooled,
             "decode_linear": linear_decode, "capacity": probe,
             "runs": results, "dir": str(tmp)}
+
+
+# -- the draft's passes inside a speculating engine (session 25) ----------------------------------------------------
+DRAFT_LOOP_FEATURES = ("one", "passes", "rows", "catchup_tokens")
+DRAFT_LOOP_GRID = ((1, 2, 4), (1, 4, 8, 16))  # (k, decode batch)
+
+
+def draft_loop_features(ks: list[int], catchups: list[int]) -> list[float]:
+    """One proposal's features: passes (the longest k), rows (single-token passes' sequences, summed over passes
+    after the first) and catch-up tokens (the first pass: each sequence's tokens the draft had not seen)."""
+    kmax = max(ks) if ks else 0
+    rows = sum(sum(1 for k in ks if k > j) for j in range(1, kmax))
+    return [1.0, float(kmax), float(rows), float(sum(catchups))]
+
+
+def calibrate_draft_loop(target: str, draft: str, engine_kwargs: dict | None = None, steps: int = 12, seed: int = 0,
+                         log=print) -> dict:
+    """The draft's proposal time as the target's speculating engine runs it (its proposer's own loop, not the
+    draft as an engine of its own: no scheduling, sampling or output bookkeeping per pass), over a grid of fixed k x
+    decode batch: SpecDecoder.propose timed per step, fitted by NNLS on DRAFT_LOOP_FEATURES. The simulator prices a
+    calibrated draft's proposals with it (sim/spec.py)."""
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.engine.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    xs, ys = [], []
+    t0 = time.perf_counter()
+    for k in DRAFT_LOOP_GRID[0]:
+        engine = LLMEngine(**{"model": target, **(engine_kwargs or {}), "speculative_model": draft,
+                              "num_speculative_tokens": k})
+        spec = engine.spec
+        inner = spec.propose
+        timing: list[tuple[list[float], float]] = []
+
+        def timed(sched, requests, gens, _inner=inner, _spec=spec, _timing=timing):
+            seqs = [s for s in sched.seqs if s.num_spec_slots > 0]
+            reqs = [requests[s.request_id] for s in seqs]
+            starts = _spec.proposer._starts(reqs) if hasattr(_spec.proposer, "_starts") else [r.num_tokens - 1
+                                                                                             for r in reqs]
+            t = time.perf_counter()
+            _inner(sched, requests, gens)
+            if seqs:
+                _timing.append((draft_loop_features([s.num_spec_slots for s in seqs],
+                                                    [r.num_tokens - n for r, n in zip(reqs, starts)]),
+                                time.perf_counter() - t))
+
+        spec.propose = timed
+        vocab = engine.model_config.vocab_size
+        for b in DRAFT_LOOP_GRID[1]:
+            rids = [f"d{k}-{b}-{i}" for i in range(b)]
+            for rid in rids:
+                engine.add_request(rid, rng.integers(1, vocab, size=64).tolist(),
+                                   SamplingParams(max_tokens=(steps + 8) * (k + 1) + 16, ignore_eos=True,
+                                                  temperature=0.0))
+            for _ in range(4):  # prefill and the first proposals (the draft's catch-up of each prompt)
+                engine.step()
+            timing.clear()
+            for _ in range(steps):
+                engine.step()
+            xs += [f for f, _ in timing]
+            ys += [s for _, s in timing]
+            for rid in rids:
+                if rid in engine.scheduler.requests:
+                    engine.abort_request(rid)
+        log(f"  draft loop k={k}: {len(ys)} proposals timed so far")
+        del engine
+    x, y = np.asarray(xs), np.asarray(ys)
+    coef = nnls(x, y, weights=1.0 / np.maximum(y, 1e-6))
+    rel = np.abs(x @ coef / y - 1.0)
+    return {"target": target, "features": list(DRAFT_LOOP_FEATURES), "coef": [float(c) for c in coef],
+            "samples": int(len(y)), "seconds": time.perf_counter() - t0,
+            "median_abs_rel_error": float(np.median(rel)), "p90_abs_rel_error": float(np.quantile(rel, 0.9))}

@@ -112,6 +112,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--decodes", default="1,4,8,16,32,64", help="decode batch sizes of the grid")
     c.add_argument("--prefills", default="16,64,256,1024", help="prefill chunk sizes of the grid")
     c.add_argument("--repeats", type=int, default=4)
+    c.add_argument("--draft-for", metavar="TARGET", help="--model is a draft: also time its proposals inside TARGET's "
+                   "speculating engine (the proposer's own loop; `tokenmill sim --speculative-model` prices a "
+                   "calibrated draft with it); implies --no-serving")
     c.add_argument("--no-serving", action="store_true", help="skip the serving-overhead measurement through a "
                    "real `tokenmill serve` (the profile then models the engine alone)")
     c.add_argument("--engine-profile", metavar="PROFILE.json", help="reuse this profile's engine fit (skip the "
@@ -171,7 +174,15 @@ def run_calibrate(args: argparse.Namespace) -> int:
     else:
         profile = calibrate(args.model, grid, engine_kwargs, log=log)
     write_profile(profile, args.out)  # the engine fit is kept even if the serving measurement fails
-    if not args.no_serving:
+    if args.draft_for:
+        from tokenmill.sim.calibrate import calibrate_draft_loop
+
+        profile["draft_loop"] = calibrate_draft_loop(args.draft_for, args.model, engine_kwargs, log=log)
+        d = profile["draft_loop"]
+        print(f"draft loop inside {args.draft_for}: {d['samples']} proposals, "
+              + ", ".join(f"{k}={v:.3g}" for k, v in zip(d["features"], d["coef"]))
+              + f" s; median |error| {100 * d['median_abs_rel_error']:.1f}%")
+    if not args.no_serving and not args.draft_for:
         from tokenmill.sim.calibrate import measure_serving
 
         engine_args = ["--kv-cache-bytes", str(engine_kwargs["kv_cache_bytes"]), "--max-num-batched-tokens",

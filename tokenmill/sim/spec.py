@@ -19,7 +19,10 @@ attention terms, which carry a decode row's own cost). The proposal's cost is ad
   - a draft model (`has_kv`): its forward passes, priced by a cost model of the draft (a roofline of the draft's
     shape on the same GPU, or a calibration profile of the draft on this machine): one catch-up pass per
     proposal (the tokens the draft has not seen: its whole context the first time, or after a preemption; the
-    tracking is the engine DraftModelProposer's rule) and k - 1 single-token passes;
+    tracking is the engine DraftModelProposer's rule) and k - 1 single-token passes. A draft profile calibrated
+    with `--draft-for TARGET` prices a proposal (catch-up of <= 16 tokens) by its measured loop instead
+    (calibrate.calibrate_draft_loop: SpecDecoder.propose timed inside TARGET's speculating engine); pricing the
+    passes as whole engine steps of the draft overstated them ~1.8x on this CPU (docs/benchmarks/sim.md);
   - n-gram: `lookup_s` per lookup (the proposal's and the shadow lookups).
 """
 
@@ -31,7 +34,10 @@ from dataclasses import dataclass
 
 from tokenmill.cli import CLIError
 from tokenmill.engine.config import DRAFT_MAX_K, NGRAM_MAX_K
+from tokenmill.sim.calibrate import DRAFT_LOOP_FEATURES, draft_loop_features
 from tokenmill.sim.cost_model import Calibrated, CostModel, Roofline, StepShape
+
+SHORT_CATCHUP = 16  # = spec/decoder.SHORT_CATCHUP (tests/sim): a longer catch-up is a prefill through the runner
 
 DRAFTABLE = 1  # the token of a draftable output position, and every simulated draft token
 OTHER = 2  # an output position no draft gets right
@@ -169,6 +175,12 @@ class SimProposer:
         self.pending_s = 0.0  # the proposals' seconds since the worker last took them
         self.draft_passes = 0
         self.lookups = 0
+        loop = (draft_cost.profile.get("draft_loop") if isinstance(draft_cost, Calibrated) else None) or None
+        if loop is not None and list(loop.get("features", [])) != list(DRAFT_LOOP_FEATURES):
+            raise CLIError(f"draft profile: draft_loop features {loop.get('features')} differ from "
+                           f"{list(DRAFT_LOOP_FEATURES)}; calibrate the draft again")
+        self.loop_coef = [float(c) for c in loop["coef"]] if loop is not None else None
+        self.loop_target = loop.get("target") if loop is not None else None
 
     def take_s(self) -> float:
         s, self.pending_s = self.pending_s, 0.0
@@ -204,13 +216,28 @@ class SimProposer:
             else:
                 prefill += c
                 pctx += n
+        passes = max(ks)
+        loop = self.loop_coef
+        if loop is not None and self.last_catchup <= SHORT_CATCHUP:
+            # a calibrated draft loop (tokenmill sim calibrate --draft-for): the proposal as the engine's proposer
+            # runs it, timed inside the target's speculating engine (calibrate.DRAFT_LOOP_FEATURES)
+            f = draft_loop_features(list(ks), [r.num_tokens - n for r, n in zip(reqs, starts)])
+            self.pending_s += sum(c * x for c, x in zip(loop, f))
+            self.draft_passes += passes
+            for r, k in zip(reqs, ks):
+                self.computed[r.request_id] = (r.num_preemptions, r.num_tokens + k - 1)
+            return [Draft([DRAFTABLE] * k) for k in ks]
         s = draft_step_s(self.draft_cost, StepShape(tokens, prefill, decodes, pairs, dctx, pctx, len(reqs)))
-        passes = 1
-        for j in range(1, max(ks)):  # single-token passes of the sequences still drafting
+        if loop is not None:  # a long catch-up is a prefill through the runner; the rest of the passes: the loop's
+            rows = sum(sum(1 for k in ks if k > j) for j in range(1, passes))
+            s += loop[1] * (passes - 1) + loop[2] * rows
+            passes_left = 0
+        else:
+            passes_left = passes - 1
+        for j in range(1, 1 + passes_left):  # single-token passes of the sequences still drafting
             rows = [r.num_tokens + j - 1 for r, k in zip(reqs, ks) if k > j]
             ctx = sum(rows) + len(rows)
             s += draft_step_s(self.draft_cost, StepShape(len(rows), 0, len(rows), float(ctx), ctx, 0, len(rows)))
-            passes += 1
         self.pending_s += s
         self.draft_passes += passes
         for r, k in zip(reqs, ks):
