@@ -220,8 +220,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
                         f"{d:.1f}: {1000 * e:.2f}" for d, e in t["table"]) + f"; beyond: +{1000 * t['table_slope_s']:.3f}"
                         " ms per sequence")
             print(f"{1000 * sv['request_s']:.1f} ms per request outside the engine's steps"
-                  + (f" (one stream; under the open-loop loads: {1000 * sv['request_s_open_loop']:.1f} ms)"
-                     if sv.get("request_s_open_loop") is not None else ""))
+                  + (f" ({sv['request_s_source']}; one stream: {1000 * sv['request_s_one_stream']:.1f} ms)"
+                     if "request_s_source" in sv else ""))
             if "capacity" in sv:
                 cap = sv["capacity"]
                 print(f"capacity {cap['req_per_s']:.2f} req/s of {cap['workload']}; open-loop runs at "
