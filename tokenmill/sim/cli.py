@@ -294,17 +294,23 @@ def build_config(args: argparse.Namespace):
         spec_acceptance=args.spec_acceptance, spec_lookup_us=args.spec_lookup_us, command=tuple(command))
 
 
-def run(args: argparse.Namespace) -> int:
+def simulate_and_write(cfg):
+    """Run one SimConfig and write the bench's report to cfg.out, with the `sim` section added to result.json."""
     from tokenmill.bench.report import write_report
     from tokenmill.sim.simulation import run_simulation
 
-    cfg = build_config(args)
     result, sim = run_simulation(cfg)
     write_report(result, cfg.out, plots=cfg.plots)
     path = cfg.out / "result.json"
     data = json.loads(path.read_text())
     data["sim"] = sim
     path.write_text(json.dumps(data, indent=2) + "\n")
+    return result, sim
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = build_config(args)
+    result, sim = simulate_and_write(cfg)
     if result.sweep is not None:
         print(f"max rate with SLO attainment >= {100 * cfg.sweep.target:.0f}%: {result.sweep.max_rate:.3g} req/s "
               f"({len(result.runs)} trials)")

@@ -103,10 +103,8 @@ def run_scenario(name_or_path: str, out: Path, quick: bool = False, only: list[s
     import argparse
     import dataclasses
 
-    from tokenmill.bench.report import write_report
     from tokenmill.hardware import capabilities
-    from tokenmill.sim.cli import add_parser, build_config
-    from tokenmill.sim.simulation import run_simulation
+    from tokenmill.sim.cli import add_parser, build_config, simulate_and_write
 
     data = load(name_or_path)
     parser = argparse.ArgumentParser(prog="tokenmill")
@@ -128,12 +126,7 @@ def run_scenario(name_or_path: str, out: Path, quick: bool = False, only: list[s
         if getattr(args, "sim_command", None):
             raise CLIError(f"scenario run {r['name']!r}: a run is a simulation, not `sim {args.sim_command}`")
         cfg = dataclasses.replace(build_config(args), command=("tokenmill", *argv))
-        result, sim = run_simulation(cfg)
-        write_report(result, cfg.out, plots=cfg.plots)
-        path = cfg.out / "result.json"
-        doc = json.loads(path.read_text())
-        doc["sim"] = sim
-        path.write_text(json.dumps(doc, indent=2) + "\n")
+        result, sim = simulate_and_write(cfg)
         rows.append(_row(r["name"], result, sim))
     text = (f"# Scenario {data.get('name', name_or_path)}\n\n{data.get('description', '')}\n\n"
             f"Machine running the simulation: {capabilities().summary()}\n"
