@@ -700,16 +700,7 @@ def measure_serving(profile: dict, model: str, engine_args: list[str], fractions
 
 
 # -- the draft's passes inside a speculating engine (session 25) ----------------------------------------------------
-DRAFT_LOOP_FEATURES = ("one", "passes", "rows", "catchup_tokens")
 DRAFT_LOOP_GRID = ((1, 2, 4), (1, 4, 8, 16))  # (k, decode batch)
-
-
-def draft_loop_features(ks: list[int], catchups: list[int]) -> list[float]:
-    """One proposal's features: passes (the longest k), rows (single-token passes' sequences, summed over passes
-    after the first) and catch-up tokens (the first pass: each sequence's tokens the draft had not seen)."""
-    kmax = max(ks) if ks else 0
-    rows = sum(sum(1 for k in ks if k > j) for j in range(1, kmax))
-    return [1.0, float(kmax), float(rows), float(sum(catchups))]
 
 
 def calibrate_draft_loop(target: str, draft: str, engine_kwargs: dict | None = None, steps: int = 12, seed: int = 0,
@@ -720,6 +711,7 @@ def calibrate_draft_loop(target: str, draft: str, engine_kwargs: dict | None = N
     calibrated draft's proposals with it (sim/spec.py)."""
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.engine.sampling_params import SamplingParams
+    from tokenmill.sim.spec import DRAFT_LOOP_FEATURES, draft_loop_features
 
     rng = np.random.default_rng(seed)
     xs, ys = [], []
@@ -734,8 +726,7 @@ def calibrate_draft_loop(target: str, draft: str, engine_kwargs: dict | None = N
         def timed(sched, requests, gens, _inner=inner, _spec=spec, _timing=timing):
             seqs = [s for s in sched.seqs if s.num_spec_slots > 0]
             reqs = [requests[s.request_id] for s in seqs]
-            starts = _spec.proposer._starts(reqs) if hasattr(_spec.proposer, "_starts") else [r.num_tokens - 1
-                                                                                             for r in reqs]
+            starts = _spec.proposer._starts(reqs)  # the draft's KV before this proposal (DraftModelProposer)
             t = time.perf_counter()
             _inner(sched, requests, gens)
             if seqs:

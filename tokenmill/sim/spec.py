@@ -34,13 +34,41 @@ from dataclasses import dataclass
 
 from tokenmill.cli import CLIError
 from tokenmill.engine.config import DRAFT_MAX_K, NGRAM_MAX_K
-from tokenmill.sim.calibrate import DRAFT_LOOP_FEATURES, draft_loop_features
 from tokenmill.sim.cost_model import Calibrated, CostModel, Roofline, StepShape
 
 SHORT_CATCHUP = 16  # = spec/decoder.SHORT_CATCHUP (tests/sim): a longer catch-up is a prefill through the runner
 
 DRAFTABLE = 1  # the token of a draftable output position, and every simulated draft token
 OTHER = 2  # an output position no draft gets right
+
+
+# a calibrated draft's proposal time (calibrate.calibrate_draft_loop fits it): coef . these features
+DRAFT_LOOP_FEATURES = ("one", "passes", "rows", "catchup_tokens")
+
+
+def draft_loop_features(ks: list[int], catchups: list[int]) -> list[float]:
+    """One proposal's features: passes (the longest k), rows (single-token passes' sequences, summed over passes
+    after the first) and catch-up tokens (the first pass: each sequence's tokens the draft had not seen)."""
+    kmax = max(ks) if ks else 0
+    rows = sum(sum(1 for k in ks if k > j) for j in range(1, kmax))
+    return [1.0, float(kmax), float(rows), float(sum(catchups))]
+
+
+def catchup_shape(starts: list[int], catchups: list[int]) -> StepShape:
+    """The draft's first pass as a step: each sequence's catch-up tokens from its draft-KV start (one token: a
+    decode row; more: a prefill chunk)."""
+    tokens = prefill = decodes = dctx = pctx = 0
+    pairs = 0.0
+    for n, c in zip(starts, catchups):
+        tokens += c
+        pairs += c * (n + (c + 1) / 2)
+        if c == 1:
+            decodes += 1
+            dctx += n + 1
+        else:
+            prefill += c
+            pctx += n
+    return StepShape(tokens, prefill, decodes, pairs, dctx, pctx, len(starts))
 
 
 @dataclass(frozen=True)
@@ -203,41 +231,25 @@ class SimProposer:
         for r in reqs:
             pre, n = self.computed.get(r.request_id, (r.num_preemptions, 0))
             starts.append(min(0 if pre != r.num_preemptions else n, r.num_tokens - 1))
-        self.last_catchup = max(r.num_tokens - n for r, n in zip(reqs, starts))
-        tokens = prefill = decodes = dctx = pctx = 0
-        pairs = 0.0
-        for r, n in zip(reqs, starts):
-            c = r.num_tokens - n
-            tokens += c
-            pairs += c * (n + (c + 1) / 2)
-            if c == 1:
-                decodes += 1
-                dctx += n + 1
-            else:
-                prefill += c
-                pctx += n
+        catchups = [r.num_tokens - n for r, n in zip(reqs, starts)]
+        self.last_catchup = max(catchups)
         passes = max(ks)
         loop = self.loop_coef
         if loop is not None and self.last_catchup <= SHORT_CATCHUP:
             # a calibrated draft loop (tokenmill sim calibrate --draft-for): the proposal as the engine's proposer
-            # runs it, timed inside the target's speculating engine (calibrate.DRAFT_LOOP_FEATURES)
-            f = draft_loop_features(list(ks), [r.num_tokens - n for r, n in zip(reqs, starts)])
-            self.pending_s += sum(c * x for c, x in zip(loop, f))
-            self.draft_passes += passes
-            for r, k in zip(reqs, ks):
-                self.computed[r.request_id] = (r.num_preemptions, r.num_tokens + k - 1)
-            return [Draft([DRAFTABLE] * k) for k in ks]
-        s = draft_step_s(self.draft_cost, StepShape(tokens, prefill, decodes, pairs, dctx, pctx, len(reqs)))
-        if loop is not None:  # a long catch-up is a prefill through the runner; the rest of the passes: the loop's
-            rows = sum(sum(1 for k in ks if k > j) for j in range(1, passes))
-            s += loop[1] * (passes - 1) + loop[2] * rows
-            passes_left = 0
+            # runs it, timed inside the target's speculating engine (DRAFT_LOOP_FEATURES)
+            s = sum(c * x for c, x in zip(loop, draft_loop_features(list(ks), catchups)))
         else:
-            passes_left = passes - 1
-        for j in range(1, 1 + passes_left):  # single-token passes of the sequences still drafting
-            rows = [r.num_tokens + j - 1 for r, k in zip(reqs, ks) if k > j]
-            ctx = sum(rows) + len(rows)
-            s += draft_step_s(self.draft_cost, StepShape(len(rows), 0, len(rows), float(ctx), ctx, 0, len(rows)))
+            s = draft_step_s(self.draft_cost, catchup_shape(starts, catchups))
+            if loop is not None:  # a long catch-up is a prefill through the runner; the passes after it: the loop's
+                rows = sum(sum(1 for k in ks if k > j) for j in range(1, passes))
+                s += loop[1] * (passes - 1) + loop[2] * rows
+            else:
+                for j in range(1, passes):  # single-token passes of the sequences still drafting
+                    rows = [r.num_tokens + j - 1 for r, k in zip(reqs, ks) if k > j]
+                    ctx = sum(rows) + len(rows)
+                    s += draft_step_s(self.draft_cost,
+                                      StepShape(len(rows), 0, len(rows), float(ctx), ctx, 0, len(rows)))
         self.pending_s += s
         self.draft_passes += passes
         for r, k in zip(reqs, ks):

@@ -151,20 +151,26 @@ class SimWorker:
         return None
 
     def _step(self) -> None:
-        if self.spec is not None:
-            self._spec_step()
-            return
-        s = self.scheduler
+        s, spec = self.scheduler, self.spec
         tier_s = self.tiers.before_schedule() if self.tiers is not None else 0.0
-        budget = self.step_budget.budget_for(s, self.cfg.max_num_batched_tokens) if budget_can_bind(s) else None
-        sched = s.schedule(self.loop.now, budget)
+        if spec is None:
+            budget = self.step_budget.budget_for(s, self.cfg.max_num_batched_tokens) if budget_can_bind(s) else None
+            sched = s.schedule(self.loop.now, budget)
+        else:  # LLMEngine._step's order with the SpecDecoder (sim/spec.py); the budget also sizes the drafts
+            budget = self.step_budget.budget_for(s, self.cfg.max_num_batched_tokens)
+            sched = s.schedule(self.loop.now, budget, spec.plan(s, budget))
         if sched.empty:
             self.busy = False
             if self.tiers is not None:
                 self.tiers.idle(self._wake)
             return
+        composition = step_composition(sched)  # before any drafts are appended, as LLMEngine._step records it
+        if spec is not None:
+            spec.propose(sched, s.requests, {})
         shape = StepShape.of(sched)
         step_s = self.cost.step_s(shape)
+        if spec is not None:
+            step_s += self.proposer.take_s()
         wide = self.cost.wide_rows
         rows = onednn_rows(shape.tokens)  # oneDNN's row count: the engine buckets wide calls (linear.onednn_rows)
         if wide is not None and shape.tokens > wide and rows not in self.shapes_run:
@@ -172,10 +178,13 @@ class SimWorker:
             step_s += self.cost.new_shape_s(shape)
         if self.tiers is not None:  # the engine thread's tier copies around execute (sim/tiers.py)
             step_s = tier_s + step_s + self.tiers.after_schedule(sched, tier_s, step_s)
-        self.step_budget.observe(*step_composition(sched), step_s)
+        self.step_budget.observe(*composition, step_s)
         self.busy = True
         self.steps += 1
         self.busy_s += step_s
+        if spec is not None:  # no fast-forward while speculating
+            self.loop.at(self.loop.now + step_s, self._end_spec_step, sched)
+            return
         ff = self.cfg.fast_forward and self.tiers is None  # tiers: every step's full blocks are written through
         if ff and decode_run.steady(sched, s, self.pending, self.cfg.max_num_batched_tokens):
             run = decode_run.plan(sched, s, self.kv, shape, step_s, self.loop.now, self.cost, self.cfg.max_model_len)
@@ -254,34 +263,7 @@ class SimWorker:
         if not self.busy:
             self._step()
 
-    # -- speculative decoding (sim/spec.py): LLMEngine._step's order with the SpecDecoder -------------------
-    def _spec_step(self) -> None:
-        s, spec = self.scheduler, self.spec
-        tier_s = self.tiers.before_schedule() if self.tiers is not None else 0.0
-        budget = self.step_budget.budget_for(s, self.cfg.max_num_batched_tokens)  # it also sizes the drafts
-        sched = s.schedule(self.loop.now, budget, spec.plan(s, budget))
-        if sched.empty:
-            self.busy = False
-            if self.tiers is not None:
-                self.tiers.idle(self._wake)
-            return
-        composition = step_composition(sched)  # before the drafts are appended, as LLMEngine._step records it
-        spec.propose(sched, s.requests, {})
-        shape = StepShape.of(sched)
-        step_s = self.cost.step_s(shape) + self.proposer.take_s()
-        wide = self.cost.wide_rows
-        rows = onednn_rows(shape.tokens)
-        if wide is not None and shape.tokens > wide and rows not in self.shapes_run:
-            self.shapes_run.add(rows)
-            step_s += self.cost.new_shape_s(shape)
-        if self.tiers is not None:  # the engine thread's tier copies around execute (sim/tiers.py)
-            step_s = tier_s + step_s + self.tiers.after_schedule(sched, tier_s, step_s)
-        self.step_budget.observe(*composition, step_s)
-        self.busy = True
-        self.steps += 1
-        self.busy_s += step_s
-        self.loop.at(self.loop.now + step_s, self._end_spec_step, sched)
-
+    # -- speculative decoding (sim/spec.py) -----------------------------------------------------------------
     def _end_spec_step(self, sched) -> None:
         """LLMEngine._postprocess_spec: a speculating sequence is verified (the real verify_greedy, on argmax rows
         from the request's content) and emits its kept drafts + the target's token in one chunk; the others one
